@@ -1,0 +1,1 @@
+"""The node daemon: config, identity, services, the control API and the CLI."""

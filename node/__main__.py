@@ -1,0 +1,3 @@
+from node.cli import entry_point
+
+entry_point()

@@ -1,0 +1,199 @@
+"""The ``swarmtrain`` command: node, join, status, stop, simulate.
+
+Errors the user can fix (a bad flag or config value, a busy data dir, no daemon running)
+print one line and exit 2 (usage) or 1 (everything else), never a traceback.
+"""
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node import config as config_module
+from node import logs
+from node.errors import ConfigError, NodeError
+
+if TYPE_CHECKING:
+    from node.daemon import Daemon
+
+logger = logging.getLogger("swarmtrain")
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (flags override it)")
+    parser.add_argument("--data-dir", type=Path, help="identity, lock, control socket, saved state")
+    parser.add_argument("--listen", action="append", metavar="MULTIADDR", help="/ip4/IP/tcp/PORT (repeatable)")
+    parser.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to tell peers (repeatable)")
+    if with_bootstrap:
+        parser.add_argument(
+            "--bootstrap", action="append", metavar="MULTIADDR", help="/ip4/IP/tcp/PORT/p2p/ID (repeatable)"
+        )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--new-run", metavar="NAME", help="start a new run called NAME")
+    group.add_argument("--run", metavar="ID", help="join the run with this id")
+    parser.add_argument("--role", choices=config_module.ROLES)
+    parser.add_argument("--device", choices=config_module.DEVICES)
+    parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
+    parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
+    parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
+    parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
+
+
+_FLAG_TO_FIELD = {
+    "data_dir": "data_dir",
+    "listen": "network.listen",
+    "announce": "network.announce",
+    "bootstrap": "network.bootstrap",
+    "mdns": "network.mdns",
+    "new_run": "run.new_run",
+    "run": "run.run_id",
+    "role": "role",
+    "device": "device",
+    "log_level": "log_level",
+    "heartbeat_s": "state.heartbeat_interval_s",
+    "peer_ttl_s": "state.peer_ttl_s",
+}
+
+
+def _node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None) -> config_module.NodeConfig:
+    overrides: dict[str, Any] = {}
+    for flag, field_name in _FLAG_TO_FIELD.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[field_name] = str(value) if isinstance(value, Path) else value
+    if bootstrap is not None:
+        overrides["network.bootstrap"] = bootstrap
+    return config_module.load(args.config, overrides)
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data_dir) if args.data_dir else config_module.default_data_dir()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmtrain", description="Train models with strangers, peer to peer.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    node = sub.add_parser("node", help="run the node daemon")
+    _add_node_flags(node, with_bootstrap=True)
+    join = sub.add_parser("join", help="join a run through a peer: the friendly way in")
+    join.add_argument("multiaddr", help="a peer of the run: /ip4/IP/tcp/PORT/p2p/ID")
+    _add_node_flags(join, with_bootstrap=False)
+    for name, text in (("status", "show what the running daemon is doing"), ("stop", "stop the running daemon")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--data-dir", type=Path, help="the daemon's data dir")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    sim = sub.add_parser("simulate", help="run a whole network of nodes on this machine")
+    sim.add_argument("--nodes", type=int, default=4, help="number of nodes besides the bootstrap (default 4)")
+    sim.add_argument("--report", type=Path, help="write the JSON report here")
+    sim.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long (default 120)")
+    sim.add_argument("--linger-s", type=float, default=0.0, help="keep running this long after convergence")
+    sim.add_argument("--keep-data", action="store_true", help="keep the nodes' data dirs and logs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        match args.command:
+            case "node":
+                return _run_daemon(_node_config(args), join_addr=None)
+            case "join":
+                return _run_daemon(_node_config(args, bootstrap=[args.multiaddr]), join_addr=args.multiaddr)
+            case "status":
+                return _status(_data_dir(args), as_json=args.json)
+            case "stop":
+                return _stop(_data_dir(args))
+            case "simulate":
+                from node.simulate import SimulationOptions, simulate
+
+                options = SimulationOptions(
+                    num_nodes=args.nodes,
+                    report_path=args.report,
+                    timeout_s=args.timeout_s,
+                    linger_s=args.linger_s,
+                    keep_data=args.keep_data,
+                )
+                return simulate(options)
+    except ConfigError as exc:
+        print(f"swarmtrain: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NodeError as exc:
+        print(f"swarmtrain: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    raise AssertionError(args.command)
+
+
+def _run_daemon(config: config_module.NodeConfig, *, join_addr: str | None) -> int:
+    from node.daemon import Daemon
+
+    daemon = Daemon(config, run_from_bootstrap=join_addr is not None)
+    peer_id = daemon.prepare()
+    logs.setup(config.log_level if join_addr is None else "warning", peer_id)
+    try:
+        trio.run(_run_until_signal, daemon, join_addr)
+    except BaseExceptionGroup as group:
+        _, rest = group.split(NodeError)
+        if rest is not None:
+            raise
+        first = _first_leaf(group)
+        print(f"swarmtrain: {first}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _run_until_signal(daemon: "Daemon", join_addr: str | None) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    if daemon.stopping:
+                        logger.warning("second %s: stopping now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    logger.info("%s: stopping cleanly (again to force)", signal.Signals(signum).name)
+                    daemon.request_stop()
+
+            nursery.start_soon(watch_signals)
+            if join_addr is not None:
+                from node.progress import show_join_progress
+
+                nursery.start_soon(show_join_progress, daemon, join_addr)
+            await daemon.run()
+            nursery.cancel_scope.cancel()
+
+
+def _status(data_dir: Path, *, as_json: bool) -> int:
+    from node.api import call
+    from node.progress import format_status
+
+    status = trio.run(call, data_dir, "status")
+    print(json.dumps(status, indent=2) if as_json else format_status(status))
+    return 0
+
+
+def _stop(data_dir: Path) -> int:
+    from node.api import call
+
+    trio.run(call, data_dir, "stop")
+    print(f"asked the daemon in {data_dir} to stop")
+    return 0
+
+
+def entry_point() -> None:
+    sys.exit(main())

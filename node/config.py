@@ -1,0 +1,220 @@
+"""Typed node configuration: defaults < TOML file < command-line flags.
+
+TOML is read in exactly one place (``load``). Flags arrive as a mapping of dotted field
+names (``{"network.listen": [...]}``) laid over the file's values, and the merged mapping
+is checked field by field: an unknown key or a value of the wrong type or range raises
+``ConfigError`` naming the field, e.g. ``network.dial_timeout_s: must be > 0, got -1``.
+"""
+
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from node.errors import ConfigError
+
+T = typing.TypeVar("T")
+
+RUN_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
+RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
+ROLES = ("trainer", "bootstrap", "observer")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "swarmtrain"
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkConfig:
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/7400"])
+    """Multiaddrs to listen on (``/ip4/<ip>/tcp/<port>``; port 0 picks a free one)."""
+    announce: list[str] = field(default_factory=list)
+    """Addresses to tell peers instead of the listen addresses (e.g. a public IP)."""
+    bootstrap: list[str] = field(default_factory=list)
+    """Peers to join through, as ``/ip4/<ip>/tcp/<port>/p2p/<peer id>``."""
+    dial_timeout_s: float = 10.0
+    """Give up on a dial after this long."""
+    mdns: bool = False
+    """Also find peers on the local network by mDNS (multicasts on every interface)."""
+
+    def __post_init__(self) -> None:
+        from protocol.host import check_listen_addr, parse_dial_addr
+
+        if not self.listen:
+            raise ConfigError("network.listen: at least one address is needed")
+        for addr in self.listen:
+            _wrap("network.listen", check_listen_addr, addr)
+        for addr in self.bootstrap:
+            _wrap("network.bootstrap", parse_dial_addr, addr)
+        _positive("network.dial_timeout_s", self.dial_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class DiscoveryConfig:
+    interval_s: float = 5.0
+    """How often to look the run up in the DHT again while peers are missing."""
+    idle_interval_s: float = 30.0
+    """How often to look it up once every known member is connected."""
+
+    def __post_init__(self) -> None:
+        _positive("discovery.interval_s", self.interval_s)
+        _positive("discovery.idle_interval_s", self.idle_interval_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class StateConfig:
+    heartbeat_interval_s: float = 1.0
+    """How often to announce liveness (and our state digest) by gossip."""
+    peer_ttl_s: float = 10.0
+    """A peer silent for this long is considered gone."""
+    anti_entropy_interval_s: float = 3.0
+    """How often to pull state from a random live peer, repairing what gossip dropped."""
+    save_interval_s: float = 2.0
+    """At most this long between a state change and its write to disk."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "peer_ttl_s", "anti_entropy_interval_s", "save_interval_s"):
+            _positive(f"state.{name}", getattr(self, name))
+        if self.peer_ttl_s <= 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"state.peer_ttl_s: must exceed twice state.heartbeat_interval_s "
+                f"({2 * self.heartbeat_interval_s:g}), got {self.peer_ttl_s:g}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    new_run: str | None = None
+    """Start a new run with this name (its id gets a random suffix)."""
+    run_id: str | None = None
+    """Join the run with this id."""
+
+    def __post_init__(self) -> None:
+        if self.new_run is not None and self.run_id is not None:
+            raise ConfigError("run: give either new_run (--new-run) or run_id (--run), not both")
+        if self.new_run is not None and not RUN_NAME_PATTERN.fullmatch(self.new_run):
+            raise ConfigError(
+                f"run.new_run: {self.new_run!r} must be 1-40 of a-z 0-9 _ - (starting with a letter or digit)"
+            )
+        if self.run_id is not None and not RUN_ID_PATTERN.fullmatch(self.run_id):
+            raise ConfigError(f"run.run_id: {self.run_id!r} is not a run id like 'name-1a2b3c'")
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Holds the identity, the control socket, the lock and saved run state."""
+    log_level: str = "info"
+    """One of debug, info, warning, error."""
+    role: str = "trainer"
+    """What this node does in a run: trainer, bootstrap (infrastructure only) or observer."""
+    device: str = "auto"
+    """Compute device to announce: auto, cpu or cuda."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _choice("role", self.role, ROLES)
+        _choice("device", self.device, DEVICES)
+
+
+def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
+    """Build the config from an optional TOML file and dotted-name overrides (flags)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from exc
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return from_mapping(NodeConfig, data, prefix="")
+
+
+def from_mapping(cls: type[T], data: dict[str, Any], *, prefix: str) -> T:
+    """Construct dataclass ``cls`` from ``data``, checking names and types field by field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _convert(f"{prefix}{f.name}", hints[f.name], data[f.name])
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _convert(name: str, hint: Any, value: Any) -> Any:
+    if is_dataclass(hint):
+        return from_mapping(hint, value, prefix=f"{name}.")  # type: ignore[arg-type]
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union) and type(None) in args:
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(name, inner, value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [_convert(f"{name}[{i}]", args[0], item) for i, item in enumerate(value)]
+    if hint is Path:
+        if not isinstance(value, str | Path) or not str(value):
+            raise ConfigError(f"{name}: expected a path, got {value!r}")
+        return Path(value).expanduser()
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"config field {name} has unsupported type {hint}")
+
+
+def _wrap(name: str, check: typing.Callable[[str], object], value: str) -> None:
+    try:
+        check(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name}: must be > 0, got {value:g}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}: must be one of {', '.join(choices)}, got {value!r}")

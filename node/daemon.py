@@ -1,0 +1,261 @@
+"""The node daemon: every service of one node in one trio nursery.
+
+Start-up order: take the data-dir lock, load the identity, start the libp2p host, reach
+the bootstrap peers, settle which run we are in (new, given, or the bootstrap peer's),
+then run discovery, state sync and the control API until asked to stop. Stopping says
+goodbye on gossip, saves the run state and closes the host: no traceback, exit 0.
+"""
+
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node import api, identity
+from node.config import NodeConfig
+from node.datadir import DataDir
+from node.device import detect_device, total_memory_nbytes
+from node.errors import NodeError
+from protocol.discovery import Discovery
+from protocol.errors import BadMessage, ProtocolError
+from protocol.host import Host, PeerAddrs, open_host, parse_dial_addr, peer_id_from_seed
+from protocol.info import NodeInfo, ask_info, serve_info
+from protocol.peers import PeerTable
+from protocol.run import RunService
+from protocol.state import Manifest, MemberRecord, RunState
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+AGENT = "swarmtrain/0.1.0"
+# On a clean stop, how long the goodbye and the final save may take.
+SHUTDOWN_GRACE_S = 3.0
+
+
+class Daemon:
+    def __init__(self, config: NodeConfig, *, run_from_bootstrap: bool = False) -> None:
+        """``run_from_bootstrap``: with no run configured, join the bootstrap peer's run."""
+        self.config = config
+        self._run_from_bootstrap = run_from_bootstrap
+        self.data_dir = DataDir(config.data_dir)
+        self.seed = b""
+        self.peer_id = ""
+        self.host: Host | None = None
+        self.run_service: RunService | None = None
+        self.discovery: Discovery | None = None
+        self.peers = PeerTable(ttl_s=config.state.peer_ttl_s)
+        self.ready = trio.Event()
+        self._stop = trio.Event()
+        self._started_at = time.time()
+
+    def prepare(self) -> str:
+        """Take the data dir and load the identity (before logging is set up); returns the peer id."""
+        self.data_dir.open()
+        self.seed = identity.load_or_create(self.data_dir.identity_file)
+        self.peer_id = peer_id_from_seed(self.seed)
+        return self.peer_id
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        if not self.peer_id:
+            self.prepare()
+        net = self.config.network
+        try:
+            async with open_host(
+                identity_seed=self.seed, listen_addrs=net.listen, announce_addrs=net.announce, mdns=net.mdns
+            ) as host:
+                self.host = host
+                await self._serve(host, task_status)
+        except ProtocolError as exc:
+            raise NodeError(str(exc)) from exc
+        finally:
+            self.host = None
+            self.data_dir.close()
+
+    async def _serve(self, host: Host, task_status: "TaskStatus[None]") -> None:
+        logger.info("peer id %s listening on %s", self.peer_id, ", ".join(host.addrs()))
+        bootstrap = [parse_dial_addr(a) for a in self.config.network.bootstrap]
+        run_id = await self._settle_run(host, bootstrap)
+        state = self._open_state(run_id) if run_id else None
+        serve_info(host, NodeInfo(self.peer_id, self.config.role, (run_id,) if run_id else (), AGENT))
+        async with trio.open_nursery() as nursery:
+            on_peer = self._on_peer_without_run
+            if state is not None:
+                self.run_service = RunService(
+                    host,
+                    state,
+                    self.peers,
+                    role=self.config.role,
+                    heartbeat_interval_s=self.config.state.heartbeat_interval_s,
+                    anti_entropy_interval_s=self.config.state.anti_entropy_interval_s,
+                    dial_timeout_s=self.config.network.dial_timeout_s,
+                )
+                await nursery.start(self.run_service.run)
+                on_peer = self.run_service.on_peer_connected
+                nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host)))
+                nursery.start_soon(self._save_loop, state)
+            self.discovery = Discovery(
+                host,
+                run_id=run_id,
+                bootstrap=bootstrap,
+                dial_timeout_s=self.config.network.dial_timeout_s,
+                interval_s=self.config.discovery.interval_s,
+                idle_interval_s=self.config.discovery.idle_interval_s,
+                on_peer=on_peer,
+            )
+            await nursery.start(self.discovery.run)
+            await nursery.start(api.serve, self.config.data_dir, {"status": self._api_status, "stop": self._api_stop})
+            self.ready.set()
+            task_status.started()
+            logger.info("ready%s", f" in run {run_id}" if run_id else " (no run: serving the DHT only)")
+            await self._stop.wait()
+            logger.info("stopping")
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                if self.run_service is not None:
+                    await self.run_service.say_bye()
+            if state is not None:
+                self._save(state)
+            nursery.cancel_scope.cancel()
+
+    async def _settle_run(self, host: Host, bootstrap: list[PeerAddrs]) -> str | None:
+        run = self.config.run
+        if run.new_run is not None:
+            return f"{run.new_run}-{secrets.token_hex(3)}"
+        if run.run_id is not None or not self._run_from_bootstrap:
+            return run.run_id
+        return await self._ask_bootstrap_for_run(host, bootstrap)
+
+    async def _ask_bootstrap_for_run(self, host: Host, bootstrap: list[PeerAddrs]) -> str:
+        errors: list[str] = []
+        for peer in bootstrap:
+            try:
+                await host.connect(peer, timeout_s=self.config.network.dial_timeout_s)
+                info = await ask_info(host, peer.peer_id)
+            except ProtocolError as exc:
+                errors.append(f"{peer.peer_id}: {exc}")
+                continue
+            if len(info.runs) == 1:
+                logger.info("joining run %s of %s", info.runs[0], peer.peer_id)
+                return info.runs[0]
+            if info.runs:
+                raise NodeError(f"{peer.peer_id} is in several runs ({', '.join(info.runs)}); pass --run ID")
+            errors.append(f"{peer.peer_id} is in no run")
+        raise NodeError("could not learn the run from the bootstrap peers: " + "; ".join(errors) + " (pass --run ID)")
+
+    def _open_state(self, run_id: str) -> RunState:
+        state = RunState(run_id)
+        saved = self.data_dir.load_run(run_id)
+        if saved is not None:
+            try:
+                state.load(saved)
+                logger.info("loaded saved state of run %s (%d members)", run_id, len(state.members))
+            except BadMessage as exc:
+                corrupt = self.data_dir.run_file(run_id).with_suffix(".corrupt")
+                self.data_dir.run_file(run_id).replace(corrupt)
+                logger.warning(
+                    "saved state of run %s is unusable (%s); moved to %s, resyncing from peers", run_id, exc, corrupt
+                )
+                state = RunState(run_id)
+        if self.config.run.new_run is not None:
+            state.create_manifest(
+                Manifest(run_id=run_id, name=self.config.run.new_run, creator=self.peer_id, created_at=time.time())
+            )
+            logger.info("created run %s", run_id)
+        return state
+
+    def _member_record(self, host: Host) -> MemberRecord:
+        return MemberRecord(
+            peer_id=self.peer_id,
+            addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in host.addrs()),
+            role=self.config.role,
+            device=detect_device(self.config.device),
+            memory_nbytes=total_memory_nbytes(),
+            joined_at=time.time(),
+        )
+
+    async def _on_peer_without_run(self, peer_id: str, source: str) -> None:
+        logger.debug("connected to %s (%s)", peer_id, source)
+
+    async def _save_loop(self, state: RunState) -> None:
+        saved_changes = -1
+        while True:
+            if state.num_changes != saved_changes:
+                saved_changes = state.num_changes
+                self._save(state)
+            await trio.sleep(self.config.state.save_interval_s)
+            if state.num_changes == saved_changes:
+                await state.wait_changed()
+
+    def _save(self, state: RunState) -> None:
+        try:
+            self.data_dir.save_run(state.run_id, state.encode())
+        except OSError as exc:
+            logger.error("could not save run state: %s", exc)
+
+    async def _api_stop(self) -> dict[str, Any]:
+        self.request_stop()
+        return {"stopping": True}
+
+    async def _api_status(self) -> dict[str, Any]:
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        host = self.host
+        rs = self.run_service
+        live = self.peers.live()
+        connected = host.connected_peers() if host else set()
+        members = rs.state.members if rs else {}
+        now = trio.current_time()
+        peers = [
+            {
+                "peer_id": peer_id,
+                "role": info.role or (members[peer_id].role if peer_id in members else ""),
+                "last_seen_s": round(now - info.last_seen, 2),
+                "connected": peer_id in connected,
+            }
+            for peer_id, info in sorted(live.items())
+        ]
+        return {
+            "peer_id": self.peer_id,
+            "addrs": host.addrs() if host else [],
+            "role": self.config.role,
+            "run_id": rs.state.run_id if rs else None,
+            "uptime_s": round(time.time() - self._started_at, 2),
+            "reachability": reachability(host.transport_addrs() if host else [], self.config.network.announce),
+            "peers_seen": len(live),
+            "peers": peers,
+            "connections": len(connected),
+            "dht_routing_table": host.dht_routing_table_size() if host else 0,
+            "members": len(members),
+            "state_digest": rs.state.digest if rs else None,
+            "manifest_name": rs.state.manifest.name if rs and rs.state.manifest else None,
+            "num_pulls": rs.num_pulls if rs else 0,
+        }
+
+
+def reachability(listen: list[str], announce: list[str]) -> str:
+    """A first guess from our own addresses; AutoNAT (the NAT issue) will verify it."""
+    import ipaddress
+
+    ips = []
+    for addr in announce or listen:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            ips.append(ipaddress.ip_address(parts[2]))
+    if any(ip.is_global for ip in ips):
+        return "public address (unverified)"
+    if any(ip.is_unspecified for ip in ips):
+        return "all interfaces (unverified)"
+    if ips and all(ip.is_loopback for ip in ips):
+        return "loopback only"
+    return "private network"

@@ -1,0 +1,52 @@
+"""The node's persistent ed25519 identity: one 32-byte seed in a 0600 file.
+
+Same file, same PeerID, across restarts. The file is created with O_EXCL and mode 0600
+in one step, so there is no moment where another user could read it.
+"""
+
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from node.errors import DataDirError
+
+logger = logging.getLogger(__name__)
+
+SEED_NBYTES = 32
+IDENTITY_FILE = "identity.key"
+
+
+def load_or_create(path: Path) -> bytes:
+    """Return the identity seed stored at ``path``, creating it on first use."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _load(path)
+    except OSError as exc:
+        raise DataDirError(f"cannot create identity file {path}: {exc.strerror}") from exc
+    seed = secrets.token_bytes(SEED_NBYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed)
+        f.flush()
+        os.fsync(f.fileno())
+    logger.info("created a new identity in %s", path)
+    return seed
+
+
+def _load(path: Path) -> bytes:
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        seed = path.read_bytes()
+    except OSError as exc:
+        raise DataDirError(f"cannot read identity file {path}: {exc.strerror}") from exc
+    if len(seed) != SEED_NBYTES:
+        raise DataDirError(
+            f"identity file {path} holds {len(seed)} bytes, expected {SEED_NBYTES}; "
+            "move it away to create a new identity"
+        )
+    if mode & 0o077:
+        logger.warning("identity file %s was readable by others (mode %o); set it to 0600", path, mode)
+        path.chmod(0o600)
+    return seed

@@ -1,0 +1,56 @@
+"""Human-readable views of a node: ``swarmtrain status`` and the running ``join`` story."""
+
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node.logs import short_peer
+
+if TYPE_CHECKING:
+    from node.daemon import Daemon
+
+POLL_INTERVAL_S = 0.5
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"peer id       {status['peer_id']}",
+        f"role          {status['role']}",
+        f"reachability  {status['reachability']}",
+        "addresses     " + ("\n              ".join(status["addrs"]) or "(none)"),
+        f"run           {status['run_id'] or '(none: serving the DHT only)'}",
+    ]
+    if status["run_id"]:
+        lines.append(f"state         {status['members']} members, digest {status['state_digest']}")
+    lines.append(f"peers live    {status['peers_seen']} ({status['connections']} connections)")
+    for peer in status["peers"]:
+        link = "connected" if peer["connected"] else "via gossip"
+        lines.append(f"  {peer['peer_id']}  {peer['role'] or '?':9} {link:10} seen {peer['last_seen_s']:.1f} s ago")
+    lines.append(f"uptime        {status['uptime_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
+    """Tell the person running ``swarmtrain join`` what happens, one line per change."""
+    await daemon.ready.wait()
+    status = daemon.status()
+    _say(f"joined through {join_addr}")
+    _say(format_status(status))
+    _say("doing: keeping the run state in sync (training arrives with a later release); Ctrl-C to leave")
+    seen = {p["peer_id"] for p in status["peers"]}
+    digest, members = status["state_digest"], status["members"]
+    while True:
+        await trio.sleep(POLL_INTERVAL_S)
+        status = daemon.status()
+        now_seen = {p["peer_id"] for p in status["peers"]}
+        for peer_id in sorted(now_seen - seen):
+            _say(f"+ peer {short_peer(peer_id)} is live ({len(now_seen)} peers)")
+        for peer_id in sorted(seen - now_seen):
+            _say(f"- peer {short_peer(peer_id)} went silent ({len(now_seen)} peers)")
+        if (status["state_digest"], status["members"]) != (digest, members):
+            _say(f"state: {status['members']} members, digest {status['state_digest']}")
+        seen, digest, members = now_seen, status["state_digest"], status["members"]

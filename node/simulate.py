@@ -1,0 +1,244 @@
+"""``swarmtrain simulate``: a bootstrap node and N daemons as separate processes on loopback.
+
+The bootstrap node starts the run; the others get its address and the run id, find each
+other through the DHT and the run document, and converge. A live table shows each node's
+view; the JSON report (contract below, extended by later issues, never broken) records
+when each node converged. No process outlives the simulation: children get SIGTERM when
+it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
+
+Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
+         "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen", "state_converged_s",
+         "members", "state_digest", "exit_code"}]}
+"""
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from node import api
+from node.errors import ApiError, ConfigError, NodeError
+
+MAX_NODES = 64
+POLL_INTERVAL_S = 0.25
+STOP_GRACE_S = 10.0
+API_WAIT_S = 60.0
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationOptions:
+    num_nodes: int = 4
+    """Daemons besides the bootstrap node."""
+    report_path: Path | None = None
+    timeout_s: float = 120.0
+    """Give up (exit 1) if the network has not converged by then."""
+    linger_s: float = 0.0
+    """Keep the network running this long after it converged."""
+    keep_data: bool = False
+    """Keep each node's data dir and log (under /tmp) for inspection."""
+    node_flags: list[str] = field(default_factory=list)
+    """Extra flags for every node (e.g. faster heartbeats in tests)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_nodes <= MAX_NODES:
+            raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
+        if self.linger_s < 0:
+            raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
+
+
+@dataclass(slots=True)
+class _Node:
+    name: str
+    data_dir: Path
+    process: trio.Process
+    status: dict[str, Any] = field(default_factory=dict)
+    converged_s: float | None = None
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def _start(name: str, base: Path, flags: list[str]) -> _Node:
+    data_dir = base / name
+    data_dir.mkdir(mode=0o700)
+    command = [sys.executable, "-m", "node", "node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    log_fd = os.open(data_dir / "node.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        process = await trio.lowlevel.open_process(
+            [*command, *flags],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        os.close(log_fd)
+    return _Node(name, data_dir, process)
+
+
+async def _wait_for_api(node: _Node) -> dict[str, Any]:
+    with trio.move_on_after(API_WAIT_S):
+        while node.process.poll() is None:
+            try:
+                return await api.call(node.data_dir, "status", timeout_s=2.0)
+            except ApiError:
+                await trio.sleep(0.1)  # the process is still starting; nothing to wait on but time
+    raise NodeError(f"{node.name} did not come up; its log:\n{_tail(node.data_dir / 'node.log')}")
+
+
+def _tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+async def _poll(node: _Node) -> None:
+    if node.process.poll() is not None:
+        return
+    try:
+        node.status = await api.call(node.data_dir, "status", timeout_s=2.0)
+    except ApiError:
+        return
+
+
+def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
+    rows = [f"swarmtrain simulate: {len(nodes) - 1} nodes + bootstrap, {elapsed_s:5.1f} s"]
+    rows.append(f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9}")
+    for node in nodes:
+        s = node.status
+        peer = s.get("peer_id", "")[-8:] or "…"
+        converged = f"{node.converged_s:.1f} s" if node.converged_s is not None else "-"
+        if node.process.poll() is not None:
+            converged = f"exit {node.process.returncode}"
+        rows.append(
+            f"{node.name:6} {peer:10} {s.get('peers_seen', 0):>3}/{expected_peers:<3} "
+            f"{s.get('members', 0):>7} {s.get('state_digest') or '':16} {converged:>9}"
+        )
+    return "\n".join(rows)
+
+
+async def _stop_all(nodes: list[_Node]) -> None:
+    with trio.CancelScope(shield=True):
+        for node in nodes:
+            if node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        for node in nodes:
+            with trio.move_on_after(STOP_GRACE_S):
+                await node.process.wait()
+            if node.process.poll() is None:
+                node.process.kill()
+                await node.process.wait()
+
+
+async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
+    nodes: list[_Node] = []
+    start = trio.current_time()
+    tty = sys.stdout.isatty()
+    try:
+        boot = await _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.node_flags])
+        nodes.append(boot)
+        boot_status = await _wait_for_api(boot)
+        run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
+        print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
+        for i in range(options.num_nodes):
+            flags = ["--bootstrap", boot_addr, "--run", run_id, *options.node_flags]
+            nodes.append(await _start(f"n{i}", base, flags))
+        expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
+        converged_at: float | None = None
+        last_print = -1e9
+        with trio.move_on_after(options.timeout_s):
+            while True:
+                async with trio.open_nursery() as nursery:
+                    for node in nodes:
+                        nursery.start_soon(_poll, node)
+                now = trio.current_time()
+                for node in nodes:
+                    s = node.status
+                    if (
+                        node.converged_s is None
+                        and s.get("members") == options.num_nodes + 1
+                        and s.get("peers_seen", 0) >= expected_peers
+                    ):
+                        node.converged_s = round(now - start, 3)
+                if tty:
+                    print("\x1b[H\x1b[J" + _render(nodes, now - start, expected_peers), flush=True)
+                elif now - last_print >= 2.0:
+                    print(_render(nodes, now - start, expected_peers), flush=True)
+                    last_print = now
+                if any(n.process.poll() is not None for n in nodes):
+                    break
+                if converged_at is None and all(n.converged_s is not None for n in nodes):
+                    converged_at = now
+                if converged_at is not None and now - converged_at >= options.linger_s:
+                    break
+                await trio.sleep(POLL_INTERVAL_S)
+    finally:
+        await _stop_all(nodes)
+    wall_s = trio.current_time() - start
+    print(_render(nodes, wall_s, options.num_nodes), flush=True)
+    for node in nodes:
+        if node.process.returncode not in (0, None):
+            print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
+    return _report(nodes, wall_s)
+
+
+def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
+    def entry(node: _Node) -> dict[str, Any]:
+        s = node.status
+        return {
+            "name": node.name,
+            "peer_id": s.get("peer_id", ""),
+            "peers_seen": s.get("peers_seen", 0),
+            "state_converged_s": node.converged_s if node.converged_s is not None else -1.0,
+            "members": s.get("members", 0),
+            "state_digest": s.get("state_digest"),
+            "exit_code": node.process.returncode,
+        }
+
+    daemons = [entry(n) for n in nodes[1:]]
+    digests = {d["state_digest"] for d in daemons} | {nodes[0].status.get("state_digest")}
+    return {
+        "algorithm": "none",
+        "wall_s": round(wall_s, 3),
+        "num_nodes": len(daemons),
+        "converged": all(n.converged_s is not None for n in nodes) and len(digests) == 1,
+        "bootstrap": entry(nodes[0]) if nodes else {},
+        "nodes": daemons,
+    }
+
+
+def simulate(options: SimulationOptions) -> int:
+    base = Path(tempfile.mkdtemp(prefix="swarmtrain-sim-", dir="/tmp"))  # short: unix socket paths
+    try:
+        report = trio.run(_run, options, base)
+    except KeyboardInterrupt:
+        print("\ninterrupted; all nodes stopped", file=sys.stderr)
+        return 130
+    finally:
+        if options.keep_data:
+            print(f"node data dirs and logs kept in {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    text = json.dumps(report, indent=2)
+    if options.report_path is not None:
+        options.report_path.write_text(text + "\n")
+        print(f"report written to {options.report_path}")
+    status = "converged" if report["converged"] else "did NOT converge"
+    slowest = max((n["state_converged_s"] for n in report["nodes"]), default=-1.0)
+    print(f"{report['num_nodes']} nodes {status}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s")
+    return 0 if report["converged"] else 1

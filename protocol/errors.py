@@ -1,0 +1,31 @@
+"""Errors raised by the protocol layer.
+
+    ProtocolError                 anything that went wrong talking to peers
+    ├── DialError                 could not reach a peer (all addresses failed or timed out)
+    ├── StreamError               a stream broke: closed, reset, or ended early
+    └── BadMessage                a peer sent something we refuse (malformed, oversized,
+        │                         wrong version, invalid content); the peer gets penalized
+        └── UnsupportedVersion    a well-formed message of a protocol version we don't speak
+
+libp2p's own exceptions never leave protocol/host.py: they are mapped to these there.
+"""
+
+
+class ProtocolError(Exception):
+    """Base class of every error raised by protocol/."""
+
+
+class DialError(ProtocolError):
+    """Could not connect to a peer."""
+
+
+class StreamError(ProtocolError):
+    """A stream was closed, reset or ended before a whole message arrived."""
+
+
+class BadMessage(ProtocolError):
+    """A peer sent bytes we refuse to act on."""
+
+
+class UnsupportedVersion(BadMessage):
+    """A peer speaks a message version we do not."""

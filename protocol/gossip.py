@@ -1,0 +1,77 @@
+"""The run's GossipSub topic: hints, never the truth.
+
+Protocol flow (topic ``/swarmtrain/run/<run id>/1``), every message signed by libp2p:
+
+    {t: "hb",     v: 1, digest, role}   every heartbeat interval: "I am alive, my state
+                                        digest is this". A differing digest makes the
+                                        receiver pull state from the sender.
+    {t: "update", v: 1, update}         a small local change, pushed so peers need not wait
+                                        for the next pull; bigger ones are only pulled.
+    {t: "bye",    v: 1}                 a clean shutdown: stop counting me as live now.
+
+GossipSub drops messages under bursts and never delivers over 1 MiB, so nothing here is
+relied on: a lost heartbeat is covered by the TTL, a lost update by anti-entropy pulls.
+"""
+
+import re
+from dataclasses import dataclass
+
+from protocol import wire
+from protocol.errors import BadMessage
+
+VERSION = 1
+# Well under GossipSub's 1 MiB delivery ceiling; larger changes travel by pull.
+MAX_PUSH_NBYTES = 64 << 10
+MAX_MESSAGE_NBYTES = MAX_PUSH_NBYTES + 1024
+DIGEST_PATTERN = re.compile(r"[0-9a-f]{16}")
+_TYPES = frozenset({"hb", "update", "bye"})
+
+
+def topic(run_id: str) -> str:
+    return f"/swarmtrain/run/{run_id}/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    digest: str
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    update: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    pass
+
+
+GossipPayload = Heartbeat | Update | Bye
+
+
+def encode(payload: GossipPayload) -> bytes:
+    match payload:
+        case Heartbeat(digest=digest, role=role):
+            return wire.encode("hb", VERSION, {"digest": digest, "role": role})
+        case Update(update=update):
+            if len(update) > MAX_PUSH_NBYTES:
+                raise ValueError(f"update of {len(update)} bytes is too large to gossip")
+            return wire.encode("update", VERSION, {"update": update})
+        case Bye():
+            return wire.encode("bye", VERSION, {})
+    raise AssertionError(payload)
+
+
+def decode(data: bytes) -> GossipPayload:
+    if len(data) > MAX_MESSAGE_NBYTES:
+        raise BadMessage(f"gossip message of {len(data)} bytes exceeds {MAX_MESSAGE_NBYTES}")
+    msg = wire.decode(data, msg_types=_TYPES, version=VERSION)
+    if msg["t"] == "hb":
+        return Heartbeat(
+            digest=wire.get_str(msg, "digest", max_len=16, pattern=DIGEST_PATTERN),
+            role=wire.get_str(msg, "role", max_len=16),
+        )
+    if msg["t"] == "update":
+        return Update(update=wire.get_bytes(msg, "update", max_nbytes=MAX_PUSH_NBYTES))
+    return Bye()

@@ -1,0 +1,416 @@
+"""The one façade over py-libp2p: a host with TCP + Noise + Yamux, a Kademlia DHT and GossipSub.
+
+Nothing outside this module imports libp2p. Peers are named by their base58 peer-id
+strings and addresses are multiaddr strings; libp2p's exceptions are mapped to
+``protocol.errors`` here.
+
+Choices, each measured or learned in ../shared/probes:
+- Noise only, Yamux only: libp2p's defaults also offer plaintext and secio.
+- ``max_connections_per_peer=1`` removes a fixed ≈250 ms wait on every successful dial.
+- GossipSub queues are widened before pubsub objects exist (32-deep queues drop silently),
+  its heartbeat is 1 s (default 120 s) and its spam protection is off (it drops >10 msg/s);
+  gossip stays a hint in this project anyway, and the truth is pulled over streams.
+- The DHT uses our own protocol prefix so we never join the IPFS DHT by accident.
+- ``close()`` runs before leaving ``host.run()``; otherwise sockets and tasks leak.
+"""
+
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import ifaddr
+import libp2p.pubsub.pubsub as _libp2p_pubsub
+import libp2p.pubsub.rpc_queue as _libp2p_rpc_queue
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import Ed25519PrivateKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from protocol.errors import DialError, ProtocolError, StreamError
+
+logger = logging.getLogger(__name__)
+
+# Before any Pubsub exists: 32-deep subscription queues and per-peer RPC queues overflow
+# silently under bursts; a 1 MiB RPC cap is below what we may push.
+_libp2p_pubsub.SUBSCRIPTION_CHANNEL_SIZE = 4096
+_libp2p_rpc_queue.RpcQueue.__init__.__defaults__ = (4096, 8 << 20)
+
+DHT_PROTOCOL_PREFIX = "/swarmtrain"
+GOSSIP_MAX_RPC_NBYTES = 8 << 20
+# Kademlia's parallelism (alpha) for our provider look-ups.
+DHT_QUERY_PARALLELISM = 3
+DHT_QUERY_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddrs:
+    """A peer and the addresses it can be dialed on (multiaddr strings without /p2p)."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GossipMessage:
+    """A message received on a gossip topic; ``from_peer`` is verified by libp2p's signing."""
+
+    from_peer: str
+    data: bytes
+
+
+StreamHandler = Callable[["Stream"], Awaitable[None]]
+
+
+def _parse_peer_id(peer_id: str) -> ID:
+    try:
+        return ID.from_base58(peer_id)
+    except (ValueError, BaseLibp2pError) as exc:
+        raise DialError(f"invalid peer id {peer_id!r}") from exc
+
+
+def parse_dial_addr(addr: str) -> PeerAddrs:
+    """Split ``/ip4/.../tcp/N/p2p/<peer id>`` into peer id and transport address."""
+    try:
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+    except (ValueError, TypeError, KeyError, BaseLibp2pError) as exc:
+        raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id>: {exc}") from exc
+    return PeerAddrs(info.peer_id.to_base58(), tuple(str(a) for a in info.addrs))
+
+
+def check_listen_addr(addr: str) -> tuple[str, int]:
+    """Validate a ``/ip4/<ip>/tcp/<port>`` listen address; returns (ip, port)."""
+    try:
+        maddr = multiaddr.Multiaddr(addr)
+        ip = maddr.value_for_protocol("ip4")
+        port = int(maddr.value_for_protocol("tcp"))
+    except (ValueError, TypeError, KeyError, BaseLibp2pError) as exc:
+        raise ValueError(f"{addr!r} is not an /ip4/<ip>/tcp/<port> address") from exc
+    return str(ip), port
+
+
+def ensure_port_free(addr: str) -> None:
+    """Fail if another process already listens on ``addr``.
+
+    libp2p's listener sets SO_REUSEPORT, so a second daemon would silently share the port;
+    a plain bind (without SO_REUSEPORT) tells the truth.
+    """
+    ip, port = check_listen_addr(addr)
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, port))
+        except OSError as exc:
+            raise DialError(f"cannot listen on {addr}: {exc.strerror}") from exc
+
+
+def _local_ipv4_addrs() -> list[str]:
+    ips = {str(ip.ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips if ip.is_IPv4}
+    return sorted(ips, key=lambda ip: (ip.startswith("127."), ip))
+
+
+class Stream:
+    """One libp2p stream with exact reads; every failure is a ``StreamError``."""
+
+    def __init__(self, raw: INetStream) -> None:
+        self._raw = raw
+        self.peer_id: str = raw.muxed_conn.peer_id.to_base58()
+
+    async def read_exact(self, nbytes: int) -> bytes:
+        chunks: list[bytes] = []
+        remaining = nbytes
+        try:
+            while remaining > 0:
+                chunk = await self._raw.read(remaining)
+                if not chunk:
+                    raise StreamError(f"stream ended {remaining} bytes early")
+                chunks.append(chunk)
+                remaining -= len(chunk)
+        except StreamEOF as exc:
+            raise StreamError(f"stream ended {remaining} bytes early") from exc
+        except BaseLibp2pError as exc:
+            raise StreamError(f"read failed: {exc}") from exc
+        return b"".join(chunks)
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._raw.write(data)
+        except BaseLibp2pError as exc:
+            raise StreamError(f"write failed: {exc}") from exc
+
+    async def close(self) -> None:
+        try:
+            await self._raw.close()
+        except BaseLibp2pError as exc:
+            logger.debug("closing stream to %s: %s", self.peer_id, exc)
+
+    async def reset(self) -> None:
+        try:
+            await self._raw.reset()
+        except BaseLibp2pError as exc:
+            logger.debug("resetting stream to %s: %s", self.peer_id, exc)
+
+
+class Host:
+    """A running libp2p host with its DHT and GossipSub; create it with ``open_host``."""
+
+    def __init__(self, raw: "_RawParts") -> None:
+        self._host = raw.host
+        self._dht = raw.dht
+        self._pubsub = raw.pubsub
+        self.peer_id: str = raw.host.get_id().to_base58()
+
+    def addrs(self) -> list[str]:
+        """Addresses peers should dial, each ending in /p2p/<our peer id>.
+
+        A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses.
+        """
+        result: list[str] = []
+        for addr in (str(a) for a in self._host.get_addrs()):
+            if addr.startswith("/ip4/0.0.0.0/"):
+                rest = addr.removeprefix("/ip4/0.0.0.0/")
+                result.extend(f"/ip4/{ip}/{rest}" for ip in _local_ipv4_addrs())
+            else:
+                result.append(addr)
+        return result
+
+    def transport_addrs(self) -> list[str]:
+        """Addresses we listen on (no /p2p suffix)."""
+        return [str(a) for a in self._host.get_transport_addrs()]
+
+    def connected_peers(self) -> set[str]:
+        return {p.to_base58() for p in self._host.get_connected_peers()}
+
+    def known_addrs(self, peer_id: str) -> list[str]:
+        try:
+            return [str(a) for a in self._host.get_peerstore().addrs(_parse_peer_id(peer_id))]
+        except (KeyError, BaseLibp2pError):
+            return []
+
+    async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
+        """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure."""
+        if peer.peer_id == self.peer_id:
+            raise DialError("refusing to dial ourselves")
+        try:
+            addrs = [multiaddr.Multiaddr(a) for a in peer.addrs]
+        except (ValueError, TypeError, BaseLibp2pError) as exc:
+            raise DialError(f"bad address for {peer.peer_id}: {exc}") from exc
+        info = PeerInfo(_parse_peer_id(peer.peer_id), addrs)
+        with trio.move_on_after(timeout_s) as scope:
+            try:
+                await self._host.connect(info)
+            except (BaseLibp2pError, OSError) as exc:
+                raise DialError(f"dial {peer.peer_id} failed: {exc}") from exc
+        if scope.cancelled_caught:
+            raise DialError(f"dial {peer.peer_id} timed out after {timeout_s:g} s")
+        try:
+            await self._dht.add_peer(info.peer_id)
+        except (BaseLibp2pError, OSError) as exc:
+            logger.debug("peer %s not added to the DHT routing table: %s", peer.peer_id, exc)
+
+    async def disconnect(self, peer_id: str) -> None:
+        try:
+            await self._host.disconnect(_parse_peer_id(peer_id))
+        except (BaseLibp2pError, OSError) as exc:
+            logger.debug("disconnecting %s: %s", peer_id, exc)
+
+    async def open_stream(self, peer_id: str, protocol_id: str, *, timeout_s: float) -> Stream:
+        with trio.move_on_after(timeout_s) as scope:
+            try:
+                raw = await self._host.new_stream(_parse_peer_id(peer_id), [TProtocol(protocol_id)])
+            except (BaseLibp2pError, OSError) as exc:
+                raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}") from exc
+            return Stream(raw)
+        assert scope.cancelled_caught
+        raise StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
+
+    def set_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.
+
+        Protocol errors are logged by the handler; anything else escaping it is a bug of
+        ours, logged with its traceback, and the stream is reset: a peer never brings the
+        daemon down.
+        """
+
+        async def serve(raw: INetStream) -> None:
+            stream = Stream(raw)
+            try:
+                await handler(stream)
+            except ProtocolError as exc:
+                logger.info("%s from %s: %s", protocol_id, stream.peer_id, exc)
+                await stream.reset()
+            except Exception:
+                logger.exception("handler for %s from %s failed", protocol_id, stream.peer_id)
+                await stream.reset()
+            else:
+                await stream.close()
+
+        self._host.set_stream_handler(TProtocol(protocol_id), serve)
+
+    # --- DHT ---
+
+    async def dht_provide(self, key: bytes) -> None:
+        try:
+            await self._dht.provider_store.provide(key)
+        except (BaseLibp2pError, OSError) as exc:
+            raise ProtocolError(f"DHT provide failed: {exc}") from exc
+
+    async def dht_find_providers(self, key: bytes) -> list[PeerAddrs]:
+        """Providers of ``key`` from the network, not only from our own store.
+
+        libp2p's ``find_providers`` returns the local store as soon as it holds anything,
+        and providing puts ourselves there: after ``provide`` it would never ask anyone.
+        So we ask the k closest peers to the key (where providers store records) directly.
+        """
+        store = self._dht.provider_store
+        key_bytes = key
+        found: dict[str, PeerAddrs] = {}
+
+        def add(infos: list[PeerInfo]) -> None:
+            for info in infos:
+                pid = info.peer_id.to_base58()
+                if pid != self.peer_id:
+                    found[pid] = PeerAddrs(pid, tuple(str(a) for a in info.addrs))
+
+        add(store.get_providers(key_bytes))
+        try:
+            closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
+        except (BaseLibp2pError, OSError) as exc:
+            raise ProtocolError(f"DHT lookup failed: {exc}") from exc
+        limiter = trio.CapacityLimiter(DHT_QUERY_PARALLELISM)
+
+        async def ask(peer: ID) -> None:
+            async with limiter:
+                with trio.move_on_after(DHT_QUERY_TIMEOUT_S):
+                    try:
+                        providers, _ = await store._get_providers_from_peer_with_closers(peer, key_bytes)
+                    except (BaseLibp2pError, OSError) as exc:
+                        logger.debug("provider query to %s failed: %s", peer, exc)
+                        return
+                    add(providers)
+
+        async with trio.open_nursery() as nursery:
+            for peer in closest:
+                if peer != self._host.get_id():
+                    nursery.start_soon(ask, peer)
+        return sorted(found.values(), key=lambda p: p.peer_id)
+
+    def dht_routing_table_size(self) -> int:
+        return int(self._dht.get_routing_table_size())
+
+    # --- gossip ---
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        try:
+            await self._pubsub.publish(topic, data)
+        except (BaseLibp2pError, OSError, ValueError) as exc:
+            raise ProtocolError(f"publish on {topic} failed: {exc}") from exc
+
+    async def subscribe(self, topic: str) -> AsyncIterator[GossipMessage]:
+        """Messages on ``topic`` from others (our own are skipped)."""
+        subscription = await self._pubsub.subscribe(topic)
+        me = self._host.get_id()
+        while True:
+            message = await subscription.get()
+            try:
+                sender = ID(message.from_id)
+            except (ValueError, BaseLibp2pError):
+                continue
+            if sender == me:
+                continue
+            yield GossipMessage(sender.to_base58(), bytes(message.data))
+
+    def gossip_peers(self, topic: str) -> set[str]:
+        """Peers known to be subscribed to ``topic``."""
+        return {p.to_base58() for p in self._pubsub.peer_topics.get(topic, ())}
+
+
+@dataclass(slots=True)
+class _RawParts:
+    host: IHost
+    dht: KadDHT
+    pubsub: Pubsub
+
+
+def key_pair_from_seed(seed: bytes) -> KeyPair:
+    """The libp2p ed25519 key pair for a 32-byte seed (our identity file stores the seed)."""
+    private = Ed25519PrivateKey.from_bytes(seed)
+    return KeyPair(private, private.get_public_key())
+
+
+def peer_id_from_seed(seed: bytes) -> str:
+    return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
+
+
+@asynccontextmanager
+async def open_host(
+    *,
+    identity_seed: bytes,
+    listen_addrs: list[str],
+    announce_addrs: list[str],
+    mdns: bool = False,
+    gossip_degree: int = 8,
+) -> AsyncIterator[Host]:
+    """Start a host listening on ``listen_addrs`` with its DHT (server mode) and GossipSub."""
+    for addr in listen_addrs:
+        ensure_port_free(addr)
+    key_pair = key_pair_from_seed(identity_seed)
+    try:
+        listen = [multiaddr.Multiaddr(a) for a in listen_addrs]
+        announce = [multiaddr.Multiaddr(a) for a in announce_addrs] or None
+    except (ValueError, TypeError, BaseLibp2pError) as exc:
+        raise ValueError(f"bad listen or announce address: {exc}") from exc
+    raw_host = new_host(
+        key_pair=key_pair,
+        sec_opt={
+            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+        },
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        listen_addrs=listen,
+        announce_addrs=announce,
+        enable_mDNS=mdns,
+    )
+    router = GossipSub(
+        protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
+        degree=gossip_degree,
+        degree_low=max(1, gossip_degree * 3 // 4),
+        degree_high=gossip_degree * 3 // 2,
+        heartbeat_initial_delay=0.1,
+        heartbeat_interval=1,
+        spam_protection_enabled=False,
+    )
+    pubsub = Pubsub(raw_host, router, max_inbound_rpc_size=GOSSIP_MAX_RPC_NBYTES)
+    dht = KadDHT(raw_host, DHTMode.SERVER, protocol_prefix=TProtocol(DHT_PROTOCOL_PREFIX))
+    async with AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(raw_host.run(listen))
+        except (BaseLibp2pError, OSError) as exc:
+            raise DialError(f"cannot listen on {listen_addrs}: {exc}") from exc
+        # Registered last, so closed first: the host closes before its services exit
+        # (else "Nursery is closed" at shutdown) and before host.run() exits (else leaks).
+        await stack.enter_async_context(background_trio_service(pubsub))
+        await stack.enter_async_context(background_trio_service(router))
+        await stack.enter_async_context(background_trio_service(dht))
+        stack.push_async_callback(raw_host.close)
+        yield Host(_RawParts(raw_host, dht, pubsub))

@@ -1,0 +1,69 @@
+"""Who are you and which run are you in: lets ``swarmtrain join ADDR`` find the run.
+
+Protocol flow (``/swarmtrain/info/1.0.0``), one exchange per stream:
+
+    asker                                   answerer
+    {t: "info?", v: 1}       ──────────────▶
+                             ◀────────────── {t: "info", v: 1, peer_id, role, runs: [run id],
+                                              agent}
+    both close
+"""
+
+from dataclasses import dataclass
+
+import trio
+
+from protocol import wire
+from protocol.errors import BadMessage, ProtocolError
+from protocol.host import Host, Stream
+from protocol.state import RUN_ID_PATTERN
+
+PROTOCOL_ID = "/swarmtrain/info/1.0.0"
+VERSION = 1
+MAX_FRAME_NBYTES = 16 << 10
+# A daemon holds one run today; the list leaves room for more.
+MAX_RUNS = 16
+TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    peer_id: str
+    role: str
+    runs: tuple[str, ...]
+    agent: str
+
+
+def serve_info(host: Host, info: NodeInfo) -> None:
+    async def serve(stream: Stream) -> None:
+        with trio.fail_after(TIMEOUT_S):
+            await wire.receive(stream, msg_types=frozenset({"info?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES)
+            fields = {"peer_id": info.peer_id, "role": info.role, "runs": list(info.runs), "agent": info.agent}
+            await wire.send(stream, "info", VERSION, fields)
+
+    host.set_handler(PROTOCOL_ID, serve)
+
+
+async def ask_info(host: Host, peer_id: str) -> NodeInfo:
+    """Ask a connected peer who it is; raises ``ProtocolError``."""
+    stream = await host.open_stream(peer_id, PROTOCOL_ID, timeout_s=TIMEOUT_S)
+    try:
+        with trio.fail_after(TIMEOUT_S):
+            await wire.send(stream, "info?", VERSION, {})
+            reply = await wire.receive(
+                stream, msg_types=frozenset({"info"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+            )
+    except trio.TooSlowError as exc:
+        raise ProtocolError(f"{peer_id} did not answer who it is within {TIMEOUT_S:g} s") from exc
+    finally:
+        await stream.close()
+    runs = wire.get_str_list(reply, "runs", max_items=MAX_RUNS, max_len=64)
+    for run_id in runs:
+        if not RUN_ID_PATTERN.fullmatch(run_id):
+            raise BadMessage(f"invalid run id {run_id[:64]!r}")
+    return NodeInfo(
+        peer_id=wire.get_str(reply, "peer_id", max_len=64),
+        role=wire.get_str(reply, "role", max_len=16),
+        runs=tuple(runs),
+        agent=wire.get_str(reply, "agent", max_len=64),
+    )

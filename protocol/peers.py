@@ -1,0 +1,117 @@
+"""What we know about other peers that is not replicated: liveness and misbehaviour.
+
+Liveness is ephemeral on purpose (see protocol/state.py): a peer is live while we heard
+from it (a heartbeat, a sync, any valid message) within ``ttl_s``. Misbehaviour adds
+penalty points; at ``BAN_POINTS`` the peer is banned for ``BAN_S`` and its streams and
+gossip are ignored.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+
+import trio
+
+logger = logging.getLogger(__name__)
+
+# One malformed message may be a bug on their side; five is a pattern.
+PENALTY_POINTS = 1
+BAN_POINTS = 5
+BAN_S = 600.0
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    last_seen: float = -math.inf
+    first_seen: float = -math.inf
+    penalty: int = 0
+    banned_until: float = -math.inf
+    digest: str = ""
+    role: str = ""
+
+
+class PeerTable:
+    def __init__(self, *, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._peers: dict[str, PeerInfo] = {}
+        self._changed = trio.Event()
+
+    def _info(self, peer_id: str) -> PeerInfo:
+        return self._peers.setdefault(peer_id, PeerInfo())
+
+    def seen(self, peer_id: str, *, digest: str | None = None, role: str | None = None) -> bool:
+        """Record that ``peer_id`` is alive; True if it was not live before."""
+        now = trio.current_time()
+        info = self._info(peer_id)
+        was_live = self._is_live(info, now)
+        if not was_live:
+            info.first_seen = now
+        info.last_seen = now
+        if digest is not None:
+            info.digest = digest
+        if role is not None:
+            info.role = role
+        if not was_live:
+            self._notify()
+        return not was_live
+
+    def gone(self, peer_id: str) -> None:
+        """The peer said goodbye: stop counting it as live right away."""
+        info = self._peers.get(peer_id)
+        if info is not None and info.last_seen > -math.inf:
+            info.last_seen = -math.inf
+            self._notify()
+
+    def live(self) -> dict[str, PeerInfo]:
+        now = trio.current_time()
+        return {p: i for p, i in self._peers.items() if self._is_live(i, now)}
+
+    def is_live(self, peer_id: str) -> bool:
+        info = self._peers.get(peer_id)
+        return info is not None and self._is_live(info, trio.current_time())
+
+    def expire(self) -> list[str]:
+        """Peers that fell silent since the last call (for logging and notification)."""
+        now = trio.current_time()
+        expired = [
+            p
+            for p, i in self._peers.items()
+            if i.last_seen > -math.inf and not self._is_live(i, now) and i.first_seen > -math.inf
+        ]
+        for peer_id in expired:
+            self._peers[peer_id].first_seen = -math.inf
+        if expired:
+            self._notify()
+        return expired
+
+    def penalize(self, peer_id: str, reason: str) -> bool:
+        """Add a penalty for bad input; True if the peer is now banned."""
+        info = self._info(peer_id)
+        info.penalty += PENALTY_POINTS
+        logger.warning("peer %s misbehaved (%s); penalty %d/%d", peer_id, reason, info.penalty, BAN_POINTS)
+        if info.penalty >= BAN_POINTS:
+            info.banned_until = trio.current_time() + BAN_S
+            info.penalty = 0
+            info.last_seen = -math.inf
+            logger.warning("peer %s banned for %.0f s", peer_id, BAN_S)
+            self._notify()
+            return True
+        return False
+
+    def is_banned(self, peer_id: str) -> bool:
+        info = self._peers.get(peer_id)
+        return info is not None and info.banned_until > trio.current_time()
+
+    def penalty(self, peer_id: str) -> int:
+        info = self._peers.get(peer_id)
+        return 0 if info is None else info.penalty
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _is_live(self, info: PeerInfo, now: float) -> bool:
+        return now - info.last_seen <= self.ttl_s and info.banned_until <= now
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()

@@ -1,0 +1,198 @@
+"""Keeping one run's state and membership in step with its peers.
+
+Tasks, all in one nursery:
+- gossip: read the run topic; heartbeats mark peers live (a differing digest asks for a
+  pull), pushed updates are validated and merged, "bye" ends a peer's liveness at once;
+- heartbeat: publish ours every ``heartbeat_interval_s``;
+- anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer, which
+  repairs whatever gossip dropped;
+- pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
+  at most one pull per peer per heartbeat interval;
+- members: dial members we read about in the document but are not connected to;
+- expiry: drop peers silent for longer than the TTL.
+"""
+
+import logging
+import random
+from typing import TYPE_CHECKING
+
+import trio
+
+from protocol import gossip
+from protocol.errors import BadMessage, ProtocolError
+from protocol.host import Host, PeerAddrs
+from protocol.peers import PeerTable
+from protocol.state import RunState
+from protocol.sync import StateSync
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+NUM_PULL_WORKERS = 4
+PULL_QUEUE_SIZE = 256
+MAX_PARALLEL_MEMBER_DIALS = 8
+
+
+class RunService:
+    def __init__(
+        self,
+        host: Host,
+        state: RunState,
+        peers: PeerTable,
+        *,
+        role: str,
+        heartbeat_interval_s: float,
+        anti_entropy_interval_s: float,
+        dial_timeout_s: float,
+    ) -> None:
+        self._host = host
+        self.state = state
+        self.peers = peers
+        self._role = role
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._anti_entropy_interval_s = anti_entropy_interval_s
+        self._dial_timeout_s = dial_timeout_s
+        self._topic = gossip.topic(state.run_id)
+        self._sync = StateSync(host, state, peers)
+        self._pull_send, self._pull_receive = trio.open_memory_channel[str](PULL_QUEUE_SIZE)
+        self._queued: set[str] = set()
+        self._last_pull: dict[str, float] = {}
+        self._failed_dials: dict[str, float] = {}
+        self.num_pulls = 0
+        self.num_pull_failures = 0
+
+    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        self._sync.register()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._gossip_loop)
+            for _ in range(NUM_PULL_WORKERS):
+                nursery.start_soon(self._pull_worker)
+            nursery.start_soon(self._heartbeat_loop)
+            nursery.start_soon(self._anti_entropy_loop)
+            nursery.start_soon(self._member_dial_loop)
+            nursery.start_soon(self._expiry_loop)
+            task_status.started()
+
+    # --- entry points for other services ---
+
+    def request_pull(self, peer_id: str) -> None:
+        """Sync with ``peer_id`` soon (de-duplicated; dropped if the queue is full)."""
+        if peer_id == self._host.peer_id or peer_id in self._queued or self.peers.is_banned(peer_id):
+            return
+        try:
+            self._pull_send.send_nowait(peer_id)
+        except trio.WouldBlock:
+            return
+        self._queued.add(peer_id)
+
+    async def on_peer_connected(self, peer_id: str, source: str) -> None:
+        logger.debug("connected to %s (%s)", peer_id, source)
+        self.request_pull(peer_id)
+
+    async def push(self, update: bytes) -> None:
+        """Tell peers about a local change right away (a hint; pulls are the truth)."""
+        if len(update) > gossip.MAX_PUSH_NBYTES:
+            return
+        await self._publish(gossip.Update(update))
+
+    async def say_bye(self) -> None:
+        await self._publish(gossip.Bye())
+
+    # --- tasks ---
+
+    async def _publish(self, payload: gossip.GossipPayload) -> None:
+        try:
+            await self._host.publish(self._topic, gossip.encode(payload))
+        except ProtocolError as exc:
+            logger.debug("gossip publish failed: %s", exc)
+
+    async def _gossip_loop(self) -> None:
+        async for message in self._host.subscribe(self._topic):
+            sender = message.from_peer
+            if self.peers.is_banned(sender):
+                continue
+            try:
+                payload = gossip.decode(message.data)
+            except BadMessage as exc:
+                self.peers.penalize(sender, f"gossip: {exc}")
+                continue
+            match payload:
+                case gossip.Heartbeat(digest=digest, role=role):
+                    if self.peers.seen(sender, digest=digest, role=role):
+                        logger.info("peer %s is live (%s)", sender, role)
+                    if digest != self.state.digest:
+                        self.request_pull(sender)
+                case gossip.Update(update=update):
+                    try:
+                        self.state.apply_remote(update)
+                    except BadMessage as exc:
+                        self.peers.penalize(sender, f"gossiped update: {exc}")
+                case gossip.Bye():
+                    logger.info("peer %s left", sender)
+                    self.peers.gone(sender)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._publish(gossip.Heartbeat(digest=self.state.digest, role=self._role))
+            await trio.sleep(self._heartbeat_interval_s)
+
+    async def _anti_entropy_loop(self) -> None:
+        while True:
+            await trio.sleep(self._anti_entropy_interval_s * random.uniform(0.75, 1.25))
+            candidates = sorted(self.peers.live())
+            if candidates:
+                self.request_pull(random.choice(candidates))
+
+    async def _pull_worker(self) -> None:
+        async for peer_id in self._pull_receive:
+            self._queued.discard(peer_id)
+            now = trio.current_time()
+            if now - self._last_pull.get(peer_id, -1e9) < self._heartbeat_interval_s:
+                continue
+            self._last_pull[peer_id] = now
+            try:
+                await self._sync.pull(peer_id)
+                self.num_pulls += 1
+            except ProtocolError as exc:
+                self.num_pull_failures += 1
+                logger.debug("sync with %s failed: %s", peer_id, exc)
+
+    async def _member_dial_loop(self) -> None:
+        limiter = trio.CapacityLimiter(MAX_PARALLEL_MEMBER_DIALS)
+
+        async def dial(peer: PeerAddrs) -> None:
+            async with limiter:
+                try:
+                    await self._host.connect(peer, timeout_s=self._dial_timeout_s)
+                except ProtocolError as exc:
+                    self._failed_dials[peer.peer_id] = trio.current_time()
+                    logger.debug("member %s unreachable: %s", peer.peer_id, exc)
+                    return
+            await self.on_peer_connected(peer.peer_id, "member")
+
+        while True:
+            connected = self._host.connected_peers()
+            now = trio.current_time()
+            to_dial = [
+                PeerAddrs(m.peer_id, m.addrs)
+                for m in self.state.members.values()
+                if m.peer_id != self._host.peer_id
+                and m.peer_id not in connected
+                and m.addrs
+                and not self.peers.is_banned(m.peer_id)
+                and now - self._failed_dials.get(m.peer_id, -1e9) > self.peers.ttl_s
+            ]
+            async with trio.open_nursery() as nursery:
+                for peer in to_dial:
+                    nursery.start_soon(dial, peer)
+            with trio.move_on_after(self._anti_entropy_interval_s):
+                await self.state.wait_changed()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await trio.sleep(self._heartbeat_interval_s / 2)
+            for peer_id in self.peers.expire():
+                logger.info("peer %s expired (silent for over %.0f s)", peer_id, self.peers.ttl_s)
+                self._last_pull.pop(peer_id, None)
