@@ -137,7 +137,7 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
                 data = tomllib.load(f)
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from exc
     for dotted, value in (overrides or {}).items():
         *parents, leaf = dotted.split(".")

@@ -24,6 +24,7 @@ import ifaddr
 import libp2p.pubsub.pubsub as _libp2p_pubsub
 import libp2p.pubsub.rpc_queue as _libp2p_rpc_queue
 import multiaddr
+import multiaddr.exceptions
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 # silently under bursts; a 1 MiB RPC cap is below what we may push.
 _libp2p_pubsub.SUBSCRIPTION_CHANNEL_SIZE = 4096
 _libp2p_rpc_queue.RpcQueue.__init__.__defaults__ = (4096, 8 << 20)
+
+# What parsing a multiaddr or a /p2p address can raise.
+_ADDR_ERRORS = (ValueError, TypeError, KeyError, multiaddr.exceptions.Error, BaseLibp2pError)
 
 DHT_PROTOCOL_PREFIX = "/swarmtrain"
 GOSSIP_MAX_RPC_NBYTES = 8 << 20
@@ -92,7 +96,7 @@ def parse_dial_addr(addr: str) -> PeerAddrs:
     """Split ``/ip4/.../tcp/N/p2p/<peer id>`` into peer id and transport address."""
     try:
         info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-    except (ValueError, TypeError, KeyError, BaseLibp2pError) as exc:
+    except _ADDR_ERRORS as exc:
         raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id>: {exc}") from exc
     return PeerAddrs(info.peer_id.to_base58(), tuple(str(a) for a in info.addrs))
 
@@ -103,7 +107,7 @@ def check_listen_addr(addr: str) -> tuple[str, int]:
         maddr = multiaddr.Multiaddr(addr)
         ip = maddr.value_for_protocol("ip4")
         port = int(maddr.value_for_protocol("tcp"))
-    except (ValueError, TypeError, KeyError, BaseLibp2pError) as exc:
+    except _ADDR_ERRORS as exc:
         raise ValueError(f"{addr!r} is not an /ip4/<ip>/tcp/<port> address") from exc
     return str(ip), port
 
@@ -213,7 +217,7 @@ class Host:
             raise DialError("refusing to dial ourselves")
         try:
             addrs = [multiaddr.Multiaddr(a) for a in peer.addrs]
-        except (ValueError, TypeError, BaseLibp2pError) as exc:
+        except _ADDR_ERRORS as exc:
             raise DialError(f"bad address for {peer.peer_id}: {exc}") from exc
         info = PeerInfo(_parse_peer_id(peer.peer_id), addrs)
         with trio.move_on_after(timeout_s) as scope:
@@ -378,7 +382,7 @@ async def open_host(
     try:
         listen = [multiaddr.Multiaddr(a) for a in listen_addrs]
         announce = [multiaddr.Multiaddr(a) for a in announce_addrs] or None
-    except (ValueError, TypeError, BaseLibp2pError) as exc:
+    except _ADDR_ERRORS as exc:
         raise ValueError(f"bad listen or announce address: {exc}") from exc
     raw_host = new_host(
         key_pair=key_pair,

@@ -58,6 +58,26 @@ class MemberRecord:
     joined_at: float
 
 
+def _read_varuint(data: bytes) -> int:
+    value = 0
+    for i, byte in enumerate(data[:10]):
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            return value
+    raise BadMessage("malformed length prefix")
+
+
+def _guard_count(data: bytes, min_item_nbytes: int, what: str) -> None:
+    """Refuse a leading item count the data cannot possibly hold.
+
+    pycrdt (yrs) reserves memory for the count an update or state vector declares before
+    reading the items: 9 hostile bytes cost ≈500 MB and most of a second. Every item takes
+    at least ``min_item_nbytes``, so a larger count is a lie we can refuse up front.
+    """
+    count = _read_varuint(data)
+    _need(count * min_item_nbytes <= len(data), f"{what} declares {count} entries in {len(data)} bytes")
+
+
 def _need(cond: bool, what: str) -> None:
     if not cond:
         raise BadMessage(what)
@@ -165,6 +185,8 @@ class RunState:
 
     def diff(self, remote_state_vector: bytes) -> bytes:
         """What a peer with ``remote_state_vector`` lacks."""
+        # Each entry is two varints (client id, clock): at least 2 bytes.
+        _guard_count(remote_state_vector, 2, "state vector")
         try:
             return bytes(self._doc.get_update(remote_state_vector))
         except ValueError as exc:
@@ -196,6 +218,8 @@ class RunState:
         would make the document invalid, or would change the manifest.
         """
         _need(len(update) <= MAX_DOC_NBYTES, f"update of {len(update)} bytes is too large")
+        # Each client block starts with three varints (struct count, client id, clock).
+        _guard_count(update, 3, "update")
         scratch: Doc[Any] = Doc()
         try:
             scratch.apply_update(self._doc.get_update())

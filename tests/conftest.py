@@ -1,0 +1,109 @@
+"""Shared fixtures: short data dirs (unix sockets), in-process daemons on loopback, waiting on events."""
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import settings
+
+from node import config as config_module
+from node.daemon import Daemon
+
+# Hypothesis' per-example deadline is a timing assertion, and these machines are noisy.
+settings.register_profile("swarmtrain", deadline=None)
+settings.load_profile("swarmtrain")
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir short enough for unix socket paths (pytest's tmp_path can exceed 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# Fast liveness so expiry tests take seconds; the ratios match the defaults (ttl = 6 heartbeats).
+FAST = {
+    "state.heartbeat_interval_s": 0.5,
+    "state.peer_ttl_s": 3.0,
+    "state.anti_entropy_interval_s": 1.0,
+    "discovery.interval_s": 1.0,
+    "discovery.idle_interval_s": 4.0,
+    "network.dial_timeout_s": 5.0,
+}
+
+
+def node_config(data_dir: Path, **overrides: Any) -> config_module.NodeConfig:
+    values: dict[str, Any] = {
+        "data_dir": str(data_dir),
+        "network.listen": ["/ip4/127.0.0.1/tcp/0"],
+        "log_level": "debug",
+        **FAST,
+    }
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return config_module.load(None, values)
+
+
+class Swarm:
+    """Daemons started in one nursery, each stoppable on its own (cleanly or by 'kill')."""
+
+    def __init__(self, nursery: trio.Nursery, base: Path) -> None:
+        self._nursery = nursery
+        self._base = base
+        self._scopes: dict[int, trio.CancelScope] = {}
+        self.daemons: list[Daemon] = []
+
+    async def start(self, name: str, **overrides: Any) -> Daemon:
+        daemon = Daemon(node_config(self._base / name, **overrides))
+        scope = trio.CancelScope()
+
+        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await daemon.run(task_status=task_status)
+
+        await self._nursery.start(run)
+        self._scopes[id(daemon)] = scope
+        self.daemons.append(daemon)
+        return daemon
+
+    def kill(self, daemon: Daemon) -> None:
+        """Stop without a goodbye, as a crash or a pulled cable would."""
+        self._scopes[id(daemon)].cancel()
+        self.daemons.remove(daemon)
+
+    def changes(self) -> list[Callable[[], Awaitable[None]]]:
+        waiters: list[Callable[[], Awaitable[None]]] = []
+        for daemon in self.daemons:
+            waiters.append(daemon.peers.wait_changed)
+            if daemon.run_service is not None:
+                waiters.append(daemon.run_service.state.wait_changed)
+        return waiters
+
+
+@asynccontextmanager
+async def open_swarm(base: Path) -> AsyncIterator[Swarm]:
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, base)
+        yield swarm
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until(
+    predicate: Callable[[], bool], waiters: Callable[[], list[Callable[[], Awaitable[None]]]], *, timeout_s: float
+) -> None:
+    """Wake on any change the waiters report until ``predicate`` holds; TooSlowError after ``timeout_s``."""
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            async with trio.open_nursery() as nursery:
+
+                async def wake(wait: Callable[[], Awaitable[None]]) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                for wait in waiters():
+                    nursery.start_soon(wake, wait)
