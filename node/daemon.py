@@ -102,7 +102,7 @@ class Daemon:
                 )
                 await nursery.start(self.run_service.run)
                 on_peer = self.run_service.on_peer_connected
-                nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host)))
+                nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host, state)))
                 nursery.start_soon(self._save_loop, state)
             self.discovery = Discovery(
                 host,
@@ -118,13 +118,15 @@ class Daemon:
             self.ready.set()
             task_status.started()
             logger.info("ready%s", f" in run {run_id}" if run_id else " (no run: serving the DHT only)")
-            await self._stop.wait()
-            logger.info("stopping")
-            with trio.move_on_after(SHUTDOWN_GRACE_S):
-                if self.run_service is not None:
-                    await self.run_service.say_bye()
-            if state is not None:
-                self._save(state)
+            try:
+                await self._stop.wait()
+                logger.info("stopping")
+                with trio.move_on_after(SHUTDOWN_GRACE_S):
+                    if self.run_service is not None:
+                        await self.run_service.say_bye()
+            finally:
+                if state is not None:
+                    self._save(state)  # also when cancelled: nothing learned is lost
             nursery.cancel_scope.cancel()
 
     async def _settle_run(self, host: Host, bootstrap: list[PeerAddrs]) -> str | None:
@@ -173,14 +175,15 @@ class Daemon:
             logger.info("created run %s", run_id)
         return state
 
-    def _member_record(self, host: Host) -> MemberRecord:
+    def _member_record(self, host: Host, state: RunState) -> MemberRecord:
+        previous = state.members.get(self.peer_id)
         return MemberRecord(
             peer_id=self.peer_id,
             addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in host.addrs()),
             role=self.config.role,
             device=detect_device(self.config.device),
             memory_nbytes=total_memory_nbytes(),
-            joined_at=time.time(),
+            joined_at=previous.joined_at if previous else time.time(),
         )
 
     async def _on_peer_without_run(self, peer_id: str, source: str) -> None:

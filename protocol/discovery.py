@@ -57,6 +57,8 @@ class Discovery:
         self._on_peer = on_peer
         self._kick = trio.Event()
         self.num_lookups = 0
+        self.found: set[str] = set()
+        """Run peers that DHT look-ups turned up."""
         self.bootstrapped = trio.Event()
 
     def kick(self) -> None:
@@ -137,6 +139,7 @@ class Discovery:
             logger.info("DHT look-up failed: %s", exc)
             return False
         self.num_lookups += 1
+        self.found.update(p.peer_id for p in providers)
         connected = self._host.connected_peers()
         new = [p for p in providers if p.peer_id not in connected]
         limiter = trio.CapacityLimiter(MAX_PARALLEL_DIALS)

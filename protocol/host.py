@@ -64,6 +64,8 @@ GOSSIP_MAX_RPC_NBYTES = 8 << 20
 # Kademlia's parallelism (alpha) for our provider look-ups.
 DHT_QUERY_PARALLELISM = 3
 DHT_QUERY_TIMEOUT_S = 5.0
+# Closing waits for libp2p's services and connections; it takes milliseconds on loopback.
+HOST_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +368,36 @@ def peer_id_from_seed(seed: bytes) -> str:
     return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
 
 
+def _socket_streams(raw_host: IHost) -> list[trio.SocketStream]:
+    """The TCP sockets under every connection: conn → muxer → security → raw → trio stream."""
+    found: list[trio.SocketStream] = []
+    for conns in list(raw_host.get_network().connections.values()):
+        for conn in conns:
+            layer: object = getattr(conn, "muxed_conn", None)
+            for _ in range(8):  # the stack is 5 layers deep in 0.8.1
+                if layer is None or isinstance(layer, trio.SocketStream):
+                    break
+                layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
+            if isinstance(layer, trio.SocketStream):
+                found.append(layer)
+    return found
+
+
+async def _close(raw_host: IHost) -> None:
+    """Close the host even while we are being cancelled, and every socket it had.
+
+    Shielded, because teardown usually runs in a cancelled scope where close() would
+    return at its first checkpoint. And libp2p 0.8.1 leaves a connection's socket open
+    when the task reading it is cancelled mid-read, so we close what remains ourselves.
+    """
+    with trio.CancelScope(deadline=trio.current_time() + HOST_CLOSE_TIMEOUT_S, shield=True):
+        sockets = _socket_streams(raw_host)
+        await raw_host.close()
+        for stream in sockets:
+            if stream.socket.fileno() != -1:
+                await trio.aclose_forcefully(stream)
+
+
 @asynccontextmanager
 async def open_host(
     *,
@@ -416,5 +448,5 @@ async def open_host(
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
         await stack.enter_async_context(background_trio_service(dht))
-        stack.push_async_callback(raw_host.close)
+        stack.push_async_callback(_close, raw_host)
         yield Host(_RawParts(raw_host, dht, pubsub))

@@ -94,9 +94,8 @@ class PeerTable:
             info.penalty = 0
             info.last_seen = -math.inf
             logger.warning("peer %s banned for %.0f s", peer_id, BAN_S)
-            self._notify()
-            return True
-        return False
+        self._notify()
+        return info.banned_until > trio.current_time()
 
     def is_banned(self, peer_id: str) -> bool:
         info = self._peers.get(peer_id)
@@ -108,6 +107,11 @@ class PeerTable:
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
+
+    @property
+    def changed(self) -> trio.Event:
+        """Set at the next change: take it before checking a condition, then wait on it."""
+        return self._changed
 
     def _is_live(self, info: PeerInfo, now: float) -> bool:
         return now - info.last_seen <= self.ttl_s and info.banned_until <= now

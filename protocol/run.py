@@ -173,6 +173,7 @@ class RunService:
             await self.on_peer_connected(peer.peer_id, "member")
 
         while True:
+            changed = self.state.changed  # taken first: a change while we dial still wakes us
             connected = self._host.connected_peers()
             now = trio.current_time()
             to_dial = [
@@ -188,7 +189,7 @@ class RunService:
                 for peer in to_dial:
                     nursery.start_soon(dial, peer)
             with trio.move_on_after(self._anti_entropy_interval_s):
-                await self.state.wait_changed()
+                await changed.wait()
 
     async def _expiry_loop(self) -> None:
         while True:

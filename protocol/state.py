@@ -195,6 +195,11 @@ class RunState:
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
+    @property
+    def changed(self) -> trio.Event:
+        """Set at the next change: take it before checking a condition, then wait on it."""
+        return self._changed
+
     # --- writing ---
 
     def create_manifest(self, manifest: Manifest) -> bytes:

@@ -2,7 +2,7 @@
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -56,18 +56,24 @@ class Swarm:
         self._nursery = nursery
         self._base = base
         self._scopes: dict[int, trio.CancelScope] = {}
+        self._done: dict[int, trio.Event] = {}
         self.daemons: list[Daemon] = []
 
     async def start(self, name: str, **overrides: Any) -> Daemon:
         daemon = Daemon(node_config(self._base / name, **overrides))
         scope = trio.CancelScope()
+        done = trio.Event()
 
         async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            with scope:
-                await daemon.run(task_status=task_status)
+            try:
+                with scope:
+                    await daemon.run(task_status=task_status)
+            finally:
+                done.set()
 
         await self._nursery.start(run)
         self._scopes[id(daemon)] = scope
+        self._done[id(daemon)] = done
         self.daemons.append(daemon)
         return daemon
 
@@ -76,13 +82,17 @@ class Swarm:
         self._scopes[id(daemon)].cancel()
         self.daemons.remove(daemon)
 
-    def changes(self) -> list[Callable[[], Awaitable[None]]]:
-        waiters: list[Callable[[], Awaitable[None]]] = []
-        for daemon in self.daemons:
-            waiters.append(daemon.peers.wait_changed)
-            if daemon.run_service is not None:
-                waiters.append(daemon.run_service.state.wait_changed)
-        return waiters
+    async def stop(self, daemon: Daemon) -> None:
+        """A clean stop, as SIGTERM or ``swarmtrain stop`` would do; returns once it finished."""
+        daemon.request_stop()
+        self.daemons.remove(daemon)
+        await self._done[id(daemon)].wait()
+
+    def changes(self) -> list[trio.Event]:
+        """Events set at the next change of any daemon's peers or state."""
+        events = [daemon.peers.changed for daemon in self.daemons]
+        events += [d.run_service.state.changed for d in self.daemons if d.run_service is not None]
+        return events
 
 
 @asynccontextmanager
@@ -94,16 +104,22 @@ async def open_swarm(base: Path) -> AsyncIterator[Swarm]:
 
 
 async def wait_until(
-    predicate: Callable[[], bool], waiters: Callable[[], list[Callable[[], Awaitable[None]]]], *, timeout_s: float
+    predicate: Callable[[], bool], events: Callable[[], list[trio.Event]], *, timeout_s: float
 ) -> None:
-    """Wake on any change the waiters report until ``predicate`` holds; TooSlowError after ``timeout_s``."""
+    """Re-check ``predicate`` at every change until it holds; TooSlowError after ``timeout_s``.
+
+    The events are taken before the check, so a change between check and wait still wakes us.
+    """
     with trio.fail_after(timeout_s):
-        while not predicate():
+        while True:
+            pending = events()
+            if predicate():
+                return
             async with trio.open_nursery() as nursery:
 
-                async def wake(wait: Callable[[], Awaitable[None]]) -> None:
-                    await wait()
+                async def wake(event: trio.Event) -> None:
+                    await event.wait()
                     nursery.cancel_scope.cancel()
 
-                for wait in waiters():
-                    nursery.start_soon(wake, wait)
+                for event in pending:
+                    nursery.start_soon(wake, event)
