@@ -7,6 +7,7 @@ print one line and exit 2 (usage) or 1 (everything else), never a traceback.
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
+    # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
+    parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
 
 
 _FLAG_TO_FIELD = {
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         match args.command:
             case "node":
-                return _run_daemon(_node_config(args), join_addr=None)
+                return _run_daemon(_node_config(args), join_addr=None, watch_stdin=args.stop_on_stdin_eof)
             case "join":
                 return _run_daemon(_node_config(args, bootstrap=[args.multiaddr]), join_addr=args.multiaddr)
             case "status":
@@ -132,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
-def _run_daemon(config: config_module.NodeConfig, *, join_addr: str | None) -> int:
+def _run_daemon(config: config_module.NodeConfig, *, join_addr: str | None, watch_stdin: bool = False) -> int:
     from node.daemon import Daemon
 
     daemon = Daemon(config, run_from_bootstrap=join_addr is not None)
     peer_id = daemon.prepare()
     logs.setup(config.log_level if join_addr is None else "warning", peer_id)
     try:
-        trio.run(_run_until_signal, daemon, join_addr)
+        trio.run(_run_until_signal, daemon, join_addr, watch_stdin)
     except BaseExceptionGroup as group:
         _, rest = group.split(NodeError)
         if rest is not None:
@@ -156,7 +159,16 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-async def _run_until_signal(daemon: "Daemon", join_addr: str | None) -> None:
+async def _stop_on_stdin_eof(daemon: "Daemon") -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some(4096):
+            pass
+    logger.info("supervisor went away: stopping")
+    daemon.request_stop()
+
+
+async def _run_until_signal(daemon: "Daemon", join_addr: str | None, watch_stdin: bool) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -170,6 +182,8 @@ async def _run_until_signal(daemon: "Daemon", join_addr: str | None) -> None:
                     daemon.request_stop()
 
             nursery.start_soon(watch_signals)
+            if watch_stdin:
+                nursery.start_soon(_stop_on_stdin_eof, daemon)
             if join_addr is not None:
                 from node.progress import show_join_progress
 

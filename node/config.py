@@ -70,9 +70,9 @@ class DiscoveryConfig:
 
 @dataclass(kw_only=True, slots=True)
 class StateConfig:
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 5.0
     """How often to announce liveness (and our state digest) by gossip."""
-    peer_ttl_s: float = 10.0
+    peer_ttl_s: float = 30.0
     """A peer silent for this long is considered gone."""
     anti_entropy_interval_s: float = 3.0
     """How often to pull state from a random live peer, repairing what gossip dropped."""

@@ -243,6 +243,7 @@ class Daemon:
             "state_digest": rs.state.digest if rs else None,
             "manifest_name": rs.state.manifest.name if rs and rs.state.manifest else None,
             "num_pulls": rs.num_pulls if rs else 0,
+            "num_gossip_received": rs.num_gossip_received if rs else 0,
         }
 
 

@@ -11,7 +11,6 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "members", "state_digest", "exit_code"}]}
 """
 
-import ctypes
 import json
 import os
 import shutil
@@ -32,7 +31,6 @@ MAX_NODES = 64
 POLL_INTERVAL_S = 0.25
 STOP_GRACE_S = 10.0
 API_WAIT_S = 60.0
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,23 +65,20 @@ class _Node:
     converged_s: float | None = None
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 async def _start(name: str, base: Path, flags: list[str]) -> _Node:
     data_dir = base / name
     data_dir.mkdir(mode=0o700)
-    command = [sys.executable, "-m", "node", "node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    command = [
+        *[sys.executable, "-m", "node", "node", "--data-dir", str(data_dir)],
+        *["--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"],
+    ]
     log_fd = os.open(data_dir / "node.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         process = await trio.lowlevel.open_process(
             [*command, *flags],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
         )
     finally:
         os.close(log_fd)
@@ -133,16 +128,20 @@ def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
 
 
 async def _stop_all(nodes: list[_Node]) -> None:
+    """Close each child's stdin (it stops cleanly on EOF), then SIGTERM, then SIGKILL."""
     with trio.CancelScope(shield=True):
         for node in nodes:
-            if node.process.poll() is None:
-                node.process.send_signal(signal.SIGTERM)
-        for node in nodes:
+            if node.process.stdin is not None:
+                await node.process.stdin.aclose()
+        for escalate in (signal.SIGTERM, signal.SIGKILL):
             with trio.move_on_after(STOP_GRACE_S):
-                await node.process.wait()
-            if node.process.poll() is None:
-                node.process.kill()
-                await node.process.wait()
+                for node in nodes:
+                    await node.process.wait()
+            for node in nodes:
+                if node.process.poll() is None:
+                    node.process.send_signal(escalate)
+        for node in nodes:
+            await node.process.wait()
 
 
 async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
@@ -161,6 +160,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
         last_print = -1e9
+        stop_reason = f"not converged after {options.timeout_s:g} s"
         with trio.move_on_after(options.timeout_s):
             while True:
                 async with trio.open_nursery() as nursery:
@@ -180,17 +180,21 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 elif now - last_print >= 2.0:
                     print(_render(nodes, now - start, expected_peers), flush=True)
                     last_print = now
-                if any(n.process.poll() is not None for n in nodes):
+                exited = [n.name for n in nodes if n.process.poll() is not None]
+                if exited:
+                    stop_reason = f"{', '.join(exited)} exited early"
                     break
                 if converged_at is None and all(n.converged_s is not None for n in nodes):
                     converged_at = now
                 if converged_at is not None and now - converged_at >= options.linger_s:
+                    stop_reason = "converged"
                     break
                 await trio.sleep(POLL_INTERVAL_S)
     finally:
         await _stop_all(nodes)
     wall_s = trio.current_time() - start
     print(_render(nodes, wall_s, options.num_nodes), flush=True)
+    print(f"stopped: {stop_reason}", flush=True)
     for node in nodes:
         if node.process.returncode not in (0, None):
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")

@@ -61,6 +61,7 @@ class RunService:
         self._last_pull: dict[str, float] = {}
         self._failed_dials: dict[str, float] = {}
         self.num_pulls = 0
+        self.num_gossip_received = 0
         self.num_pull_failures = 0
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
@@ -111,6 +112,7 @@ class RunService:
     async def _gossip_loop(self) -> None:
         async for message in self._host.subscribe(self._topic):
             sender = message.from_peer
+            self.num_gossip_received += 1
             if self.peers.is_banned(sender):
                 continue
             try:

@@ -1,0 +1,166 @@
+"""The commands as a user runs them: separate processes, real signals, no orphans."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import trio
+
+pytestmark = pytest.mark.e2e
+
+SWARMTRAIN = [sys.executable, "-m", "node"]
+TIMEOUT_S = 90.0
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+class Proc:
+    """A child process whose combined output we read line by line, waiting on the pipe, not the clock."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        self._buffer = b""
+
+    @classmethod
+    async def start(cls, args: list[str], env: dict[str, str]) -> "Proc":
+        process = await trio.lowlevel.open_process(
+            [*SWARMTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        return cls(process)
+
+    async def expect(self, text: str) -> str:
+        """Read until a line containing ``text``; returns that line."""
+        assert self.process.stdout is not None
+        with trio.fail_after(TIMEOUT_S):
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                chunk = await self.process.stdout.receive_some(65536)
+                if not chunk:
+                    raise AssertionError(f"exited before printing {text!r}:\n" + "\n".join(self.lines))
+                self._buffer += chunk
+                *complete, self._buffer = self._buffer.split(b"\n")
+                self.lines.extend(c.decode(errors="replace") for c in complete)
+
+    async def finish(self) -> int:
+        """Wait for exit, collecting the rest of the output."""
+        assert self.process.stdout is not None
+        with trio.fail_after(TIMEOUT_S):
+            while chunk := await self.process.stdout.receive_some(65536):
+                self._buffer += chunk
+            self.lines.extend(c.decode(errors="replace") for c in self._buffer.split(b"\n") if c)
+            return await self.process.wait()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The environment for children, with a marker that finds every process they start."""
+    return {**os.environ, "SWARMTRAIN_TEST_MARKER": uuid.uuid4().hex}
+
+
+async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: dict[str, str]) -> None:
+    report_path = short_tmp / "report.json"
+    sim = await Proc.start(["simulate", "--nodes", "4", "--report", str(report_path)], env)
+    assert await sim.finish() == 0, sim.output
+    assert "4 nodes converged" in sim.output
+    report = json.loads(report_path.read_text())
+    assert isinstance(report["algorithm"], str)
+    assert isinstance(report["wall_s"], float) and report["wall_s"] > 0
+    assert len(report["nodes"]) == 4
+    assert report["converged"] is True
+    for node in report["nodes"]:
+        assert node["peer_id"].startswith("12D3KooW")
+        assert node["peers_seen"] == 4  # three other nodes and the bootstrap node
+        assert isinstance(node["state_converged_s"], float) and 0 < node["state_converged_s"] < report["wall_s"]
+        assert node["exit_code"] == 0
+    assert len({n["state_digest"] for n in report["nodes"]}) == 1
+    assert len({n["peer_id"] for n in report["nodes"]}) == 4
+    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+
+
+async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:
+    sim = await Proc.start(["simulate", "--nodes", "3", "--linger-s", "600"], env)
+    await sim.expect("run sim-")  # the bootstrap is up and the nodes are starting
+    sim.process.send_signal(signal.SIGINT)
+    assert await sim.finish() == 130, sim.output
+    assert "Traceback" not in sim.output
+    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+
+
+async def test_node_status_join_stop_and_restart(short_tmp: Path, env: dict[str, str]) -> None:
+    node_dir, join_dir = short_tmp / "node", short_tmp / "join"
+    flags = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+    node = await Proc.start(["node", "--data-dir", str(node_dir), *flags, "--new-run", "e2e"], env)
+    await node.expect("ready in run e2e-")
+
+    status_run = await trio.run_process(
+        [*SWARMTRAIN, "status", "--json", "--data-dir", str(node_dir)], capture_stdout=True
+    )
+    status = json.loads(status_run.stdout)
+    assert status["run_id"].startswith("e2e-") and status["members"] == 1
+    peer_id, addr = status["peer_id"], status["addrs"][0]
+    assert (node_dir / "identity.key").stat().st_mode & 0o777 == 0o600
+
+    join = await Proc.start(["join", addr, "--data-dir", str(join_dir), *flags], env)
+    await join.expect(f"run           {status['run_id']}")
+    await join.expect("reachability  loopback only")
+    await join.expect("state: 2 members")
+    join.process.send_signal(signal.SIGINT)
+    assert await join.finish() == 0, join.output
+    assert "Traceback" not in join.output
+
+    human = await trio.run_process([*SWARMTRAIN, "status", "--data-dir", str(node_dir)], capture_stdout=True)
+    assert b"2 members" in human.stdout
+    await trio.run_process([*SWARMTRAIN, "stop", "--data-dir", str(node_dir)], capture_stdout=True)
+    assert await node.finish() == 0, node.output
+    assert "Traceback" not in node.output
+
+    again = await Proc.start(["node", "--data-dir", str(node_dir), *flags, "--run", status["run_id"]], env)
+    line = await again.expect("peer id ")
+    assert peer_id in line
+    await again.expect("loaded saved state of run")
+    again.process.send_signal(signal.SIGTERM)
+    assert await again.finish() == 0, again.output
+    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+
+
+async def test_second_daemon_on_the_same_data_dir_is_refused(short_tmp: Path, env: dict[str, str]) -> None:
+    flags = ["--data-dir", str(short_tmp / "d"), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    first = await Proc.start(["node", *flags], env)
+    await first.expect("ready")
+    second = await Proc.start(["node", *flags], env)
+    assert await second.finish() == 1
+    assert "another daemon" in second.output and "Traceback" not in second.output
+    first.process.send_signal(signal.SIGINT)
+    assert await first.finish() == 0
+
+
+async def test_join_with_nobody_there_fails_clearly(short_tmp: Path, env: dict[str, str]) -> None:
+    ghost = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRQR6dEJXaYFpJcVNJ2gCWNScK5th5Cp4oFTyJnM2bvKx"
+    join = await Proc.start(
+        ["join", ghost, "--data-dir", str(short_tmp / "j"), "--listen", "/ip4/127.0.0.1/tcp/0"], env
+    )
+    assert await join.finish() == 1
+    assert "could not learn the run" in join.output and "Traceback" not in join.output
