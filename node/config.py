@@ -82,6 +82,8 @@ class StateConfig:
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "peer_ttl_s", "anti_entropy_interval_s", "save_interval_s"):
             _positive(f"state.{name}", getattr(self, name))
+        if self.heartbeat_interval_s < 1.0:
+            raise ConfigError(f"state.heartbeat_interval_s: must be at least 1 s, got {self.heartbeat_interval_s:g}")
         if self.peer_ttl_s <= 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"state.peer_ttl_s: must exceed twice state.heartbeat_interval_s "

@@ -7,8 +7,10 @@ when each node converged. No process outlives the simulation: children get SIGTE
 it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
 
 Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
-         "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen", "state_converged_s",
-         "members", "state_digest", "exit_code"}]}
+         "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
+         "state_converged_s", "ready_s", "members", "state_digest", "exit_code"}]}
+Times are seconds since the simulation started; ``ready_s`` is when the node's control API
+first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
 
 import json
@@ -62,6 +64,8 @@ class _Node:
     data_dir: Path
     process: trio.Process
     status: dict[str, Any] = field(default_factory=dict)
+    ready_s: float | None = None
+    """When its control API first answered: process start-up is over."""
     converged_s: float | None = None
 
 
@@ -169,6 +173,8 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 now = trio.current_time()
                 for node in nodes:
                     s = node.status
+                    if s and node.ready_s is None:
+                        node.ready_s = round(now - start, 3)
                     if (
                         node.converged_s is None
                         and s.get("members") == options.num_nodes + 1
@@ -198,7 +204,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     for node in nodes:
         if node.process.returncode not in (0, None):
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
-    return _report(nodes, wall_s)
+    return {**_report(nodes, wall_s), "stop_reason": stop_reason}
 
 
 def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
@@ -209,6 +215,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
             "peer_id": s.get("peer_id", ""),
             "peers_seen": s.get("peers_seen", 0),
             "state_converged_s": node.converged_s if node.converged_s is not None else -1.0,
+            "ready_s": node.ready_s if node.ready_s is not None else -1.0,
             "members": s.get("members", 0),
             "state_digest": s.get("state_digest"),
             "exit_code": node.process.returncode,

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 NUM_PULL_WORKERS = 4
 PULL_QUEUE_SIZE = 256
 MAX_PARALLEL_MEMBER_DIALS = 8
+# A newcomer's heartbeat goes out within this of meeting a peer, however long the interval.
+MIN_HEARTBEAT_SPACING_S = 1.0
 
 
 class RunService:
@@ -60,7 +62,9 @@ class RunService:
         self._queued: set[str] = set()
         self._last_pull: dict[str, float] = {}
         self._failed_dials: dict[str, float] = {}
+        self._met_someone = trio.Event()
         self.num_pulls = 0
+        self.num_gossip_received = 0
         self.num_gossip_received = 0
         self.num_pull_failures = 0
 
@@ -90,6 +94,7 @@ class RunService:
 
     async def on_peer_connected(self, peer_id: str, source: str) -> None:
         logger.debug("connected to %s (%s)", peer_id, source)
+        self._met_someone.set()
         self.request_pull(peer_id)
 
     async def push(self, update: bytes) -> None:
@@ -136,9 +141,14 @@ class RunService:
                     self.peers.gone(sender)
 
     async def _heartbeat_loop(self) -> None:
+        """Every interval, and soon after we meet someone new (so they see us without
+        waiting a whole interval), but never more often than MIN_HEARTBEAT_SPACING_S."""
         while True:
             await self._publish(gossip.Heartbeat(digest=self.state.digest, role=self._role))
-            await trio.sleep(self._heartbeat_interval_s)
+            await trio.sleep(MIN_HEARTBEAT_SPACING_S)
+            with trio.move_on_after(self._heartbeat_interval_s - MIN_HEARTBEAT_SPACING_S):
+                await self._met_someone.wait()
+            self._met_someone = trio.Event()
 
     async def _anti_entropy_loop(self) -> None:
         while True:

@@ -27,9 +27,9 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-# Fast liveness so expiry tests take seconds; the ratios match the defaults (ttl = 6 heartbeats).
+# Fast liveness so expiry tests take seconds (the defaults are 5 s heartbeats, 30 s TTL).
 FAST = {
-    "state.heartbeat_interval_s": 0.5,
+    "state.heartbeat_interval_s": 1.0,
     "state.peer_ttl_s": 3.0,
     "state.anti_entropy_interval_s": 1.0,
     "discovery.interval_s": 1.0,
