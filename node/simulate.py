@@ -30,7 +30,7 @@ from node import api
 from node.errors import ApiError, ConfigError, NodeError
 
 MAX_NODES = 64
-POLL_INTERVAL_S = 0.25
+POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 10.0
 API_WAIT_S = 60.0
 

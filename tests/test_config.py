@@ -102,3 +102,9 @@ def test_arbitrary_config_file_gives_config_error_or_config(data: bytes) -> None
 def test_arbitrary_bootstrap_address_gives_value_error(text: str) -> None:
     with contextlib.suppress(ValueError):
         parse_dial_addr(text)
+
+
+def test_the_shipped_example_config_is_valid() -> None:
+    cfg = config.load(Path(__file__).parent.parent / "deploy" / "node.example.toml")
+    assert cfg.network.listen == ["/ip4/0.0.0.0/tcp/7400"]
+    assert cfg.state == config.StateConfig()  # the example documents the defaults
