@@ -160,7 +160,7 @@ def _first_leaf(exc: BaseException) -> BaseException:
 
 
 async def _stop_on_stdin_eof(daemon: "Daemon") -> None:
-    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    stdin = trio.lowlevel.FdStream(os.dup(0))  # fd 0 itself: sys.stdin may have been replaced
     async with stdin:
         while await stdin.receive_some(4096):
             pass

@@ -14,10 +14,8 @@ first answered (its start-up done), so ``state_converged_s - ready_s`` is networ
 """
 
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from typing import Any
 import trio
 
 from node import api
+from node.children import Child
 from node.errors import ApiError, ConfigError, NodeError
 
 MAX_NODES = 64
@@ -62,31 +61,18 @@ class SimulationOptions:
 class _Node:
     name: str
     data_dir: Path
-    process: trio.Process
+    process: Child
     status: dict[str, Any] = field(default_factory=dict)
     ready_s: float | None = None
     """When its control API first answered: process start-up is over."""
     converged_s: float | None = None
 
 
-async def _start(name: str, base: Path, flags: list[str]) -> _Node:
+def _start(name: str, base: Path, flags: list[str]) -> _Node:
     data_dir = base / name
     data_dir.mkdir(mode=0o700)
-    command = [
-        *[sys.executable, "-m", "node", "node", "--data-dir", str(data_dir)],
-        *["--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"],
-    ]
-    log_fd = os.open(data_dir / "node.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        process = await trio.lowlevel.open_process(
-            [*command, *flags],
-            stdin=subprocess.PIPE,
-            stdout=log_fd,
-            stderr=subprocess.STDOUT,
-        )
-    finally:
-        os.close(log_fd)
-    return _Node(name, data_dir, process)
+    argv = ["node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof", *flags]
+    return _Node(name, data_dir, Child(argv, data_dir / "node.log"))
 
 
 async def _wait_for_api(node: _Node) -> dict[str, Any]:
@@ -132,11 +118,10 @@ def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
 
 
 async def _stop_all(nodes: list[_Node]) -> None:
-    """Close each child's stdin (it stops cleanly on EOF), then SIGTERM, then SIGKILL."""
+    """Close each child's lifeline (it stops cleanly), then SIGTERM, then SIGKILL."""
     with trio.CancelScope(shield=True):
         for node in nodes:
-            if node.process.stdin is not None:
-                await node.process.stdin.aclose()
+            node.process.close_lifeline()
         for escalate in (signal.SIGTERM, signal.SIGKILL):
             with trio.move_on_after(STOP_GRACE_S):
                 for node in nodes:
@@ -153,14 +138,14 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     start = trio.current_time()
     tty = sys.stdout.isatty()
     try:
-        boot = await _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.node_flags])
+        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.node_flags])
         nodes.append(boot)
         boot_status = await _wait_for_api(boot)
         run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
         print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
         for i in range(options.num_nodes):
             flags = ["--bootstrap", boot_addr, "--run", run_id, *options.node_flags]
-            nodes.append(await _start(f"n{i}", base, flags))
+            nodes.append(_start(f"n{i}", base, flags))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
         last_print = -1e9

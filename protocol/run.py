@@ -7,7 +7,7 @@ Tasks, all in one nursery:
 - anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer, which
   repairs whatever gossip dropped;
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
-  at most one pull per peer per heartbeat interval;
+  at most one pull per peer per MIN_PULL_SPACING_S;
 - members: dial members we read about in the document but are not connected to;
 - expiry: drop peers silent for longer than the TTL.
 """
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 NUM_PULL_WORKERS = 4
 PULL_QUEUE_SIZE = 256
 MAX_PARALLEL_MEMBER_DIALS = 8
+# Pulls from one peer at most this often: every heartbeat with a stale digest asks for one.
+MIN_PULL_SPACING_S = 1.0
 # A newcomer's heartbeat goes out within this of meeting a peer, however long the interval.
 MIN_HEARTBEAT_SPACING_S = 1.0
 
@@ -161,7 +163,7 @@ class RunService:
         async for peer_id in self._pull_receive:
             self._queued.discard(peer_id)
             now = trio.current_time()
-            if now - self._last_pull.get(peer_id, -1e9) < self._heartbeat_interval_s:
+            if now - self._last_pull.get(peer_id, -1e9) < MIN_PULL_SPACING_S:
                 continue
             self._last_pull[peer_id] = now
             try:

@@ -30,6 +30,25 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
+async def wait_until_gone(marker: str, *, timeout_s: float = 15.0) -> None:
+    """Every process carrying ``marker`` exits within ``timeout_s`` (waiting on pidfds, not a clock).
+
+    Children and the forkserver notice their parent's exit by a pipe closing, so they may
+    outlive it by a moment; what must not happen is that they stay.
+    """
+    with trio.fail_after(timeout_s):
+        for pid in processes_with_marker(marker):
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            try:
+                await trio.lowlevel.wait_readable(pidfd)
+            finally:
+                os.close(pidfd)
+    assert processes_with_marker(marker) == []
+
+
 class Proc:
     """A child process whose combined output we read line by line, waiting on the pipe, not the clock."""
 
@@ -97,7 +116,7 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
         assert node["exit_code"] == 0
     assert len({n["state_digest"] for n in report["nodes"]}) == 1
     assert len({n["peer_id"] for n in report["nodes"]}) == 4
-    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:
@@ -106,7 +125,17 @@ async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> 
     sim.process.send_signal(signal.SIGINT)
     assert await sim.finish() == 130, sim.output
     assert "Traceback" not in sim.output
-    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
+
+
+async def test_killed_simulation_leaves_no_process(env: dict[str, str]) -> None:
+    # SIGKILL: no handler runs. The nodes must notice by themselves (their lifeline closes).
+    sim = await Proc.start(["simulate", "--nodes", "2", "--linger-s", "600"], env)
+    await sim.expect("n1 ")  # the table lists every node: all of them were started
+    assert len(processes_with_marker(env["SWARMTRAIN_TEST_MARKER"])) >= 4  # simulate, forkserver, 3 nodes
+    sim.process.kill()
+    assert await sim.finish() == -signal.SIGKILL
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_node_status_join_stop_and_restart(short_tmp: Path, env: dict[str, str]) -> None:
@@ -143,7 +172,7 @@ async def test_node_status_join_stop_and_restart(short_tmp: Path, env: dict[str,
     await again.expect("loaded saved state of run")
     again.process.send_signal(signal.SIGTERM)
     assert await again.finish() == 0, again.output
-    assert processes_with_marker(env["SWARMTRAIN_TEST_MARKER"]) == []
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_second_daemon_on_the_same_data_dir_is_refused(short_tmp: Path, env: dict[str, str]) -> None:
