@@ -152,3 +152,26 @@ async def test_garbage_gossip_is_penalized_and_ignored(short_tmp: Path) -> None:
         await sender.host.publish(topic, gossip.encode(gossip.Update(b"\x05junk")))  # type: ignore[union-attr]
         await wait_until(lambda: target.peers.penalty(sender.peer_id) >= 2, swarm.changes, timeout_s=TIMEOUT_S)
         assert target.run_service.state.digest == digest  # type: ignore[union-attr]
+
+
+async def test_garbage_on_the_control_socket_is_refused(short_tmp: Path) -> None:
+    from node import api
+
+    async with open_swarm(short_tmp) as swarm:
+        daemon = await swarm.start("solo", run__new_run="api")
+        path = api.socket_path(daemon.config.data_dir)
+        for payload in (b"\xff" * 64, wire.frame(b"\xc1"), wire.frame(wire.encode("rm-rf", 1, {})), b"\x00\x00"):
+            stream = await trio.open_unix_socket(str(path))
+            async with stream:
+                await stream.send_all(payload)
+                await stream.send_eof()
+                reply = b""
+                with trio.fail_after(15):
+                    try:
+                        while chunk := await stream.receive_some(4096):
+                            reply += chunk
+                    except trio.BrokenResourceError:
+                        pass  # closed with our bytes unread: a reset
+            assert b"result" not in reply  # an error answer, or none: never a result
+        status = await api.call(daemon.config.data_dir, "status")
+        assert status["run_id"] == run_id_of(daemon)
