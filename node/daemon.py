@@ -6,6 +6,7 @@ then run discovery, state sync and the control API until asked to stop. Stopping
 goodbye on gossip, saves the run state and closes the host: no traceback, exit 0.
 """
 
+import ipaddress
 import logging
 import secrets
 import time
@@ -243,14 +244,14 @@ class Daemon:
             "state_digest": rs.state.digest if rs else None,
             "manifest_name": rs.state.manifest.name if rs and rs.state.manifest else None,
             "num_pulls": rs.num_pulls if rs else 0,
+            "num_pull_failures": rs.num_pull_failures if rs else 0,
+            "num_dht_lookups": self.discovery.num_lookups if self.discovery else 0,
             "num_gossip_received": rs.num_gossip_received if rs else 0,
         }
 
 
 def reachability(listen: list[str], announce: list[str]) -> str:
     """A first guess from our own addresses; AutoNAT (the NAT issue) will verify it."""
-    import ipaddress
-
     ips = []
     for addr in announce or listen:
         parts = addr.split("/")

@@ -45,8 +45,6 @@ class SimulationOptions:
     """Keep the network running this long after it converged."""
     keep_data: bool = False
     """Keep each node's data dir and log (under /tmp) for inspection."""
-    node_flags: list[str] = field(default_factory=list)
-    """Extra flags for every node (e.g. faster heartbeats in tests)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -138,13 +136,13 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     start = trio.current_time()
     tty = sys.stdout.isatty()
     try:
-        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.node_flags])
+        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap"])
         nodes.append(boot)
         boot_status = await _wait_for_api(boot)
         run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
         print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
         for i in range(options.num_nodes):
-            flags = ["--bootstrap", boot_addr, "--run", run_id, *options.node_flags]
+            flags = ["--bootstrap", boot_addr, "--run", run_id]
             nodes.append(_start(f"n{i}", base, flags))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None

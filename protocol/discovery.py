@@ -55,15 +55,10 @@ class Discovery:
         self._interval_s = interval_s
         self._idle_interval_s = idle_interval_s
         self._on_peer = on_peer
-        self._kick = trio.Event()
         self.num_lookups = 0
         self.found: set[str] = set()
         """Run peers that DHT look-ups turned up."""
         self.bootstrapped = trio.Event()
-
-    def kick(self) -> None:
-        """Look the run up again now (a member went missing, or we are new)."""
-        self._kick.set()
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -126,11 +121,7 @@ class Discovery:
         while True:
             found_new = await self._lookup(key)
             wait_s = self._interval_s if found_new else min(2 * wait_s, self._idle_interval_s)
-            with trio.move_on_after(wait_s):
-                await self._kick.wait()
-            if self._kick.is_set():
-                self._kick = trio.Event()
-                wait_s = self._interval_s
+            await trio.sleep(wait_s)
 
     async def _lookup(self, key: bytes) -> bool:
         try:

@@ -207,12 +207,6 @@ class Host:
     def connected_peers(self) -> set[str]:
         return {p.to_base58() for p in self._host.get_connected_peers()}
 
-    def known_addrs(self, peer_id: str) -> list[str]:
-        try:
-            return [str(a) for a in self._host.get_peerstore().addrs(_parse_peer_id(peer_id))]
-        except (KeyError, BaseLibp2pError):
-            return []
-
     async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
         """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure."""
         if peer.peer_id == self.peer_id:
@@ -345,10 +339,6 @@ class Host:
             if sender == me:
                 continue
             yield GossipMessage(sender.to_base58(), bytes(message.data))
-
-    def gossip_peers(self, topic: str) -> set[str]:
-        """Peers known to be subscribed to ``topic``."""
-        return {p.to_base58() for p in self._pubsub.peer_topics.get(topic, ())}
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ BAN_S = 600.0
 
 
 @dataclass(slots=True)
-class PeerInfo:
+class PeerStatus:
     last_seen: float = -math.inf
     first_seen: float = -math.inf
     penalty: int = 0
@@ -33,11 +33,11 @@ class PeerInfo:
 class PeerTable:
     def __init__(self, *, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._peers: dict[str, PeerInfo] = {}
+        self._peers: dict[str, PeerStatus] = {}
         self._changed = trio.Event()
 
-    def _info(self, peer_id: str) -> PeerInfo:
-        return self._peers.setdefault(peer_id, PeerInfo())
+    def _info(self, peer_id: str) -> PeerStatus:
+        return self._peers.setdefault(peer_id, PeerStatus())
 
     def seen(self, peer_id: str, *, digest: str | None = None, role: str | None = None) -> bool:
         """Record that ``peer_id`` is alive; True if it was not live before."""
@@ -62,7 +62,7 @@ class PeerTable:
             info.last_seen = -math.inf
             self._notify()
 
-    def live(self) -> dict[str, PeerInfo]:
+    def live(self) -> dict[str, PeerStatus]:
         now = trio.current_time()
         return {p: i for p, i in self._peers.items() if self._is_live(i, now)}
 
@@ -105,15 +105,12 @@ class PeerTable:
         info = self._peers.get(peer_id)
         return 0 if info is None else info.penalty
 
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
-
     @property
     def changed(self) -> trio.Event:
         """Set at the next change: take it before checking a condition, then wait on it."""
         return self._changed
 
-    def _is_live(self, info: PeerInfo, now: float) -> bool:
+    def _is_live(self, info: PeerStatus, now: float) -> bool:
         return now - info.last_seen <= self.ttl_s and info.banned_until <= now
 
     def _notify(self) -> None:

@@ -125,7 +125,7 @@ class RunService:
             try:
                 payload = gossip.decode(message.data)
             except BadMessage as exc:
-                self.peers.penalize(sender, f"gossip: {exc}")
+                await self._sync.punish(sender, f"gossip: {exc}")
                 continue
             match payload:
                 case gossip.Heartbeat(digest=digest, role=role):
@@ -137,7 +137,7 @@ class RunService:
                     try:
                         self.state.apply_remote(update)
                     except BadMessage as exc:
-                        self.peers.penalize(sender, f"gossiped update: {exc}")
+                        await self._sync.punish(sender, f"gossiped update: {exc}")
                 case gossip.Bye():
                     logger.info("peer %s left", sender)
                     self.peers.gone(sender)

@@ -55,6 +55,11 @@ class StateSync:
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve)
 
+    async def punish(self, peer_id: str, reason: str) -> None:
+        """Penalize ``peer_id`` for bad input; a peer that earns a ban is also disconnected."""
+        if self._peers.penalize(peer_id, reason):
+            await self._host.disconnect(peer_id)
+
     async def pull(self, peer_id: str) -> bool:
         """Exchange state with ``peer_id``; True if ours changed.
 
@@ -74,8 +79,8 @@ class StateSync:
                 changed = self._apply(peer_id, update)
                 await wire.send(stream, "diff", VERSION, {"update": self._state.diff(their_sv), "sv": b""})
             except BadMessage as exc:
-                self._peers.penalize(peer_id, f"state sync: {exc}")
                 await stream.reset()
+                await self.punish(peer_id, f"state sync: {exc}")
                 raise
             await stream.close()
         if scope.cancelled_caught:
@@ -101,7 +106,7 @@ class StateSync:
                 final = await _receive(stream, _FINAL)
                 self._apply(peer_id, wire.get_bytes(final, "update", max_nbytes=MAX_DOC_NBYTES))
         except BadMessage as exc:
-            self._peers.penalize(peer_id, f"state sync: {exc}")
+            await self.punish(peer_id, f"state sync: {exc}")
             raise
         except trio.TooSlowError as exc:
             raise ProtocolError(f"state sync with {peer_id} timed out") from exc

@@ -134,6 +134,12 @@ async def test_bad_input_is_rejected_and_the_daemon_keeps_going(short_tmp: Path)
             with trio.fail_after(5), pytest.raises(ProtocolError):
                 await stream.read_exact(1)
             assert target.peers.is_banned(attacker.peer_id)
+            # Banned: even a well-formed request gets no answer now (if it can still connect).
+            with trio.fail_after(5), pytest.raises(ProtocolError):
+                await attacker.connect(parse_dial_addr(target.host.addrs()[0]), timeout_s=5)  # type: ignore[union-attr]
+                stream = await attacker.open_stream(target.peer_id, sync.PROTOCOL_ID, timeout_s=5)
+                await wire.send(stream, "sync", 1, {"run": state.run_id, "sv": b"\x00"})
+                await stream.read_exact(1)
             assert target.peers.penalty(attacker.peer_id) == 0 and len(attacks) + 1 >= BAN_POINTS
         assert state.digest == digest and state.encode() == encoded
         # Still serving honest peers: a fresh node joins and converges.

@@ -45,7 +45,7 @@ async def test_changes_wake_waiters(autojump_clock: trio.testing.MockClock) -> N
     woke = trio.Event()
 
     async def waiter() -> None:
-        await table.wait_changed()
+        await table.changed.wait()
         woke.set()
 
     async with trio.open_nursery() as nursery:
