@@ -259,6 +259,9 @@ class Host:
             except ProtocolError as exc:
                 logger.info("%s from %s: %s", protocol_id, stream.peer_id, exc)
                 await stream.reset()
+            except trio.TooSlowError:
+                logger.info("%s from %s: the peer was too slow", protocol_id, stream.peer_id)
+                await stream.reset()
             except Exception:
                 logger.exception("handler for %s from %s failed", protocol_id, stream.peer_id)
                 await stream.reset()
