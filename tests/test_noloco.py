@@ -1,0 +1,87 @@
+"""The outer steps against the DESIGN.md fixture, and NoLoCo's 2-node reduction to DiLoCo."""
+
+import pytest
+import torch
+
+from training.noloco import OuterConfig, PeerTensors, diloco_step, noloco_step, outer_gradient
+
+CONFIG = OuterConfig(alpha=0.5, beta=0.7, gamma=0.7)
+
+
+def rows(values: list[list[float]]) -> list[torch.Tensor]:
+    """The fixture's two rows are the two nodes of the pair."""
+    return [torch.tensor(row, dtype=torch.float64) for row in values]
+
+
+PHI = rows([[1, -2, 0.5], [3, 0, -1.5]])
+THETA = rows([[0.6, -1, 0.25], [2.4, -0.5, -0.75]])
+MOMENTUM = rows([[0.2, -0.4, 0.1], [-0.3, 0.6, -0.2]])
+EXPECTED_PHI = rows([[1.45, -1.325, 0.025], [1.8, -0.225, -0.725]])
+EXPECTED_MOMENTUM = rows([[0.45, 0.675, -0.475], [-1.2, -0.225, 0.775]])
+
+
+@pytest.mark.parametrize(("i", "j"), [(0, 1), (1, 0)])
+def test_design_fixture(i: int, j: int) -> None:
+    peer = PeerTensors(phi=[PHI[j]], delta=outer_gradient([PHI[j]], [THETA[j]]))
+    (phi,), (momentum,) = noloco_step([PHI[i]], [THETA[i]], [MOMENTUM[i]], peer, CONFIG)
+    torch.testing.assert_close(phi, EXPECTED_PHI[i], rtol=0, atol=1e-12)
+    torch.testing.assert_close(momentum, EXPECTED_MOMENTUM[i], rtol=0, atol=1e-12)
+
+
+def test_gamma_term_preserves_the_pair_mean_of_phi_minus_momentum_drift() -> None:
+    # Summed over the pair the γ terms cancel: mean φ' = mean φ + α·mean m − β·mean Δ.
+    new = [noloco_step([PHI[i]], [THETA[i]], [MOMENTUM[i]], peer_of(1 - i), CONFIG)[0][0] for i in (0, 1)]
+    deltas = outer_gradient(PHI, THETA)
+    expected = (
+        (PHI[0] + PHI[1]) / 2
+        + CONFIG.alpha * (MOMENTUM[0] + MOMENTUM[1]) / 2
+        - CONFIG.beta * (deltas[0] + deltas[1]) / 2
+    )
+    torch.testing.assert_close((new[0] + new[1]) / 2, expected, rtol=0, atol=1e-12)
+
+
+def peer_of(j: int) -> PeerTensors:
+    return PeerTensors(phi=[PHI[j]], delta=outer_gradient([PHI[j]], [THETA[j]]))
+
+
+def test_without_a_partner_the_step_is_local_heavy_ball() -> None:
+    (phi,), (momentum,) = noloco_step([PHI[0]], [THETA[0]], [MOMENTUM[0]], None, CONFIG)
+    expected_m = CONFIG.alpha * MOMENTUM[0] - CONFIG.beta * (PHI[0] - THETA[0])
+    torch.testing.assert_close(momentum, expected_m, rtol=0, atol=0)
+    torch.testing.assert_close(phi, PHI[0] + expected_m, rtol=0, atol=0)
+
+
+def test_inputs_are_not_modified() -> None:
+    phi, theta, momentum = [t.clone() for t in PHI], [t.clone() for t in THETA], [t.clone() for t in MOMENTUM]
+    noloco_step(phi[:1], theta[:1], momentum[:1], peer_of(1), CONFIG)
+    diloco_step(phi, [outer_gradient(phi, theta)], momentum, CONFIG)
+    for before, after in zip(PHI + THETA + MOMENTUM, phi + theta + momentum, strict=True):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_two_nodes_reduce_bitwise_to_heavy_ball_diloco(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    start = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    noloco = [([t.clone() for t in start], [torch.zeros_like(t) for t in start]) for _ in range(2)]
+    diloco = [([t.clone() for t in start], [torch.zeros_like(t) for t in start]) for _ in range(2)]
+    for _ in range(5):  # rounds; each node's inner steps are stood in for by a random walk
+        thetas = [
+            [p - 0.1 * torch.randn(p.shape, generator=generator).to(dtype) for p in noloco[0][0]] for _ in range(2)
+        ]
+        deltas = [outer_gradient(noloco[i][0], thetas[i]) for i in range(2)]
+        noloco = [
+            noloco_step(noloco[i][0], thetas[i], noloco[i][1], PeerTensors(noloco[1 - i][0], deltas[1 - i]), CONFIG)
+            for i in range(2)
+        ]
+        diloco = [diloco_step(diloco[i][0], [deltas[0], deltas[1]], diloco[i][1], CONFIG) for i in range(2)]
+        for i in range(2):
+            for a, b in zip(noloco[i][0] + noloco[i][1], diloco[i][0] + diloco[i][1], strict=True):
+                assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(noloco[0][0], noloco[1][0], strict=True))
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="gamma"):
+        OuterConfig(gamma=-1)

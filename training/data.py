@@ -1,0 +1,91 @@
+"""Text in, batches of token ids out: an embedded corpus, a byte tokenizer, per-node shards.
+
+- The default corpus is Python's own documentation topics (``pydoc_data``, ≈465 kB,
+  shipped with every CPython): no download, identical on every machine.
+- Users point at their own text: a file, or a folder whose ``.txt`` and ``.md`` files are
+  read in sorted order (so every node builds the same token stream).
+- Tokens are bytes (vocabulary 256): nothing to train, nothing to ship, exact on any text.
+- The stream is cut into blocks of ``context_len + 1`` tokens; the last ``val_fraction``
+  of blocks is the validation set, shared by all nodes; the rest is dealt round-robin,
+  block b to node ``b % num_nodes``, so node shards are disjoint and deterministic.
+- Batches are drawn with a seeded generator (node index, step): reproducible.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256
+TEXT_SUFFIXES = (".txt", ".md")
+# Refuse to read more than this from user paths: a mistaken `/` should fail, not fill memory.
+MAX_CORPUS_NBYTES = 1 << 30
+
+
+def embedded_corpus() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)).encode()
+
+
+def read_corpus(path: Path | None) -> bytes:
+    """The embedded corpus, or the text at ``path`` (a file, or a folder of .txt/.md files)."""
+    if path is None:
+        return embedded_corpus()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ValueError(f"training data {path} does not exist")
+    total = sum(f.stat().st_size for f in files)
+    if total > MAX_CORPUS_NBYTES:
+        raise ValueError(f"training data under {path} is {total} bytes, more than {MAX_CORPUS_NBYTES}")
+    return b"\n\n".join(f.read_bytes() for f in files)
+
+
+def encode(text: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.long)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    return bytes(tokens.to(torch.uint8).tolist()).decode(errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One node's training blocks and the shared validation blocks, each (num_blocks, context_len + 1)."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+
+    def batch(self, *, batch_size: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets for one training step, the same on every run."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        rows = torch.randint(len(self.train), (batch_size,), generator=generator)
+        blocks = self.train[rows]
+        return blocks[:, :-1], blocks[:, 1:]
+
+    def val_batches(self, *, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        blocks = self.val[: batch_size * max_batches]
+        starts = range(0, len(blocks), batch_size)
+        return [(blocks[i : i + batch_size, :-1], blocks[i : i + batch_size, 1:]) for i in starts]
+
+
+def make_shard(
+    tokens: torch.Tensor, *, context_len: int, node_index: int, num_nodes: int, val_fraction: float = 0.05
+) -> Shard:
+    if not 0 <= node_index < num_nodes:
+        raise ValueError(f"node index {node_index} is not in [0, {num_nodes})")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    block_len = context_len + 1
+    num_blocks = len(tokens) // block_len
+    num_val = max(1, int(num_blocks * val_fraction))
+    if num_blocks - num_val < num_nodes:
+        raise ValueError(f"{len(tokens)} tokens make {num_blocks} blocks of {block_len}: too few for {num_nodes} nodes")
+    blocks = tokens[: num_blocks * block_len].view(num_blocks, block_len)
+    train, val = blocks[: num_blocks - num_val], blocks[num_blocks - num_val :]
+    return Shard(train=train[node_index::num_nodes].clone(), val=val.clone())

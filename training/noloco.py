@@ -1,0 +1,99 @@
+"""Outer steps as pure functions: NoLoCo (one random peer), DiLoCo (all peers), and the notation.
+
+Notation (../shared/DESIGN.md): φ slow weights shared at round boundaries, θ fast weights
+after H inner steps, m outer momentum, Δ = φ − θ the outer gradient. Each function takes
+per-parameter lists of tensors and returns new tensors; nothing is modified in place, so
+callers can check the result (finite, right shapes) before adopting it.
+
+NoLoCo, node i paired with peer j (a group of two):
+
+    m_i ← α·m_i − β·mean(Δ_i, Δ_j) − γ·(φ_i − mean(φ_i, φ_j))
+    φ_i ← φ_i + m_i ;  θ_i ← φ_i
+
+Without a partner this round (none free, or its payload was refused) the mean is over
+ourselves alone and the γ term is skipped. With two nodes that started from the same φ,
+φ_i − mean(φ_i, φ_j) is exactly zero (2φ/2 = φ in floating point), so NoLoCo reduces
+bitwise to heavy-ball DiLoCo, ``diloco_step``; tests check both that and the DESIGN.md fixture.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Params = list[torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterConfig:
+    alpha: float = 0.5
+    """Outer momentum decay α."""
+    beta: float = 0.7
+    """Outer learning rate β on the averaged outer gradient."""
+    gamma: float = 0.7
+    """Pull γ of our slow weights towards the pair's mean (NoLoCo only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [0, 2], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTensors:
+    """What a partner sends for one round: its slow weights φ_j and outer gradient Δ_j."""
+
+    phi: Params
+    delta: Params
+
+
+def outer_gradient(phi: Params, theta: Params) -> Params:
+    """Δ = φ − θ."""
+    return [p - t for p, t in zip(phi, theta, strict=True)]
+
+
+def _mean2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # One rounding recipe for every mean of two, so NoLoCo and DiLoCo agree bit for bit.
+    return (a + b) / 2
+
+
+def noloco_step(
+    phi: Params, theta: Params, momentum: Params, peer: PeerTensors | None, config: OuterConfig
+) -> tuple[Params, Params]:
+    """One NoLoCo outer step for node i; returns (new φ, new m). θ restarts from the new φ."""
+    delta = outer_gradient(phi, theta)
+    new_phi: Params = []
+    new_momentum: Params = []
+    for k, (p, d, m) in enumerate(zip(phi, delta, momentum, strict=True)):
+        if peer is None:
+            m_new = config.alpha * m - config.beta * d
+        else:
+            mean_delta = _mean2(d, peer.delta[k])
+            m_new = config.alpha * m - config.beta * mean_delta - config.gamma * (p - _mean2(p, peer.phi[k]))
+        new_momentum.append(m_new)
+        new_phi.append(p + m_new)
+    return new_phi, new_momentum
+
+
+def diloco_step(phi: Params, deltas: Sequence[Params], momentum: Params, config: OuterConfig) -> tuple[Params, Params]:
+    """One heavy-ball DiLoCo outer step: m ← α·m − β·mean_k(Δ_k); φ ← φ + m (γ unused).
+
+    ``deltas`` holds every live node's Δ (ours included), in an order all nodes agree on.
+    """
+    if not deltas:
+        raise ValueError("DiLoCo needs at least our own outer gradient")
+    new_phi: Params = []
+    new_momentum: Params = []
+    for k, (p, m) in enumerate(zip(phi, momentum, strict=True)):
+        if len(deltas) == 2:
+            mean_delta = _mean2(deltas[0][k], deltas[1][k])
+        else:
+            total = deltas[0][k].clone()
+            for other in deltas[1:]:
+                total += other[k]
+            mean_delta = total / len(deltas)
+        m_new = config.alpha * m - config.beta * mean_delta
+        new_momentum.append(m_new)
+        new_phi.append(p + m_new)
+    return new_phi, new_momentum
