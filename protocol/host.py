@@ -158,6 +158,21 @@ class Stream:
             raise StreamError(f"read failed: {exc}") from exc
         return b"".join(chunks)
 
+    async def read_into(self, buffer: memoryview, *, chunk_nbytes: int) -> None:
+        """Fill ``buffer`` exactly (bulk payloads land in memory allocated once)."""
+        offset = 0
+        try:
+            while offset < len(buffer):
+                chunk = await self._raw.read(min(chunk_nbytes, len(buffer) - offset))
+                if not chunk:
+                    raise StreamError(f"stream ended {len(buffer) - offset} bytes early")
+                buffer[offset : offset + len(chunk)] = chunk
+                offset += len(chunk)
+        except StreamEOF as exc:
+            raise StreamError(f"stream ended {len(buffer) - offset} bytes early") from exc
+        except BaseLibp2pError as exc:
+            raise StreamError(f"read failed: {exc}") from exc
+
     async def write(self, data: bytes) -> None:
         try:
             await self._raw.write(data)

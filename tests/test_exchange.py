@@ -1,0 +1,133 @@
+"""Bulk tensor transfers between two real hosts on loopback, and every way a payload can be bad."""
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from protocol import exchange, wire
+from protocol.errors import ProtocolError
+from protocol.exchange import Payload, TensorReceiver, TensorSpec
+from protocol.host import Host, open_host, parse_dial_addr
+from protocol.peers import PeerTable
+
+pytestmark = pytest.mark.integration
+LIMIT = 1 << 20
+
+
+@asynccontextmanager
+async def pair() -> AsyncIterator[tuple[Host, Host, TensorReceiver, list[tuple[str, Payload]]]]:
+    received: list[tuple[str, Payload]] = []
+
+    async def accept(peer_id: str, payload: Payload) -> None:
+        received.append((peer_id, payload))
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as sender,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as target,
+    ):
+        receiver = TensorReceiver(target, PeerTable(ttl_s=10), accept, max_payload_nbytes=LIMIT, timeout_s=10)
+        receiver.register()
+        await sender.connect(parse_dial_addr(target.addrs()[0]), timeout_s=5)
+        yield sender, target, receiver, received
+
+
+def payload(round_index: int = 3) -> Payload:
+    specs = (TensorSpec("w", "float32", (64, 32)), TensorSpec("b", "bfloat16", (32,)), TensorSpec("e", "int8", (0,)))
+    total = sum(s.nbytes for s in specs)
+    data = (bytes(range(256)) * (total // 256 + 1))[:total]
+    return Payload(round_index, specs, data)
+
+
+async def test_round_trip_delivers_every_byte_and_spec() -> None:
+    async with pair() as (sender, target, _, received):
+        sent = payload()
+        await exchange.send_tensors(sender, target.peer_id, sent, timeout_s=10)
+        ((peer_id, got),) = received
+        assert peer_id == sender.peer_id
+        assert got.round == 3 and got.specs == sent.specs and bytes(got.data) == bytes(sent.data)
+        views = got.views()
+        assert len(views["w"]) == 64 * 32 * 4 and len(views["b"]) == 64 and len(views["e"]) == 0
+
+
+async def raw_send(sender: Host, target: Host, header: dict[str, object], body: bytes) -> dict[str, object]:
+    stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+    await wire.send(stream, "tensors", 1, header)
+    if body:
+        await stream.write(body)
+    with trio.fail_after(10):
+        return await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
+
+
+def header_for(data: bytes, **changes: object) -> dict[str, object]:
+    header: dict[str, object] = {
+        "round": 1,
+        "tensors": [{"name": "w", "dtype": "float32", "shape": [len(data) // 4], "nbytes": len(data)}],
+        "nbytes": len(data),
+        "sha256": hashlib.sha256(data).digest(),
+    }
+    header.update(changes)
+    return header
+
+
+BODY = b"\x00\x00\x80\x3f" * 256  # 256 float32 ones
+BAD = {
+    "hash mismatch": (header_for(BODY, sha256=b"\x00" * 32), BODY, "hash"),
+    "wrong shape for nbytes": (
+        header_for(BODY, tensors=[{"name": "w", "dtype": "float32", "shape": [3, 3], "nbytes": 1024}]),
+        BODY,
+        "nbytes does not match",
+    ),
+    "unknown dtype": (
+        header_for(BODY, tensors=[{"name": "w", "dtype": "complex64", "shape": [128], "nbytes": 1024}]),
+        BODY,
+        "unknown dtype",
+    ),
+    "oversized": (
+        header_for(
+            b"", nbytes=LIMIT + 4, tensors=[{"name": "w", "dtype": "int8", "shape": [LIMIT + 4], "nbytes": LIMIT + 4}]
+        ),
+        b"",
+        "outside",
+    ),
+    "total disagrees with tensors": (header_for(BODY, nbytes=512), BODY[:512], "header says"),
+    "duplicate names": (
+        header_for(
+            BODY,
+            tensors=[{"name": "w", "dtype": "int8", "shape": [512], "nbytes": 512}] * 2,
+        ),
+        BODY,
+        "twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+async def test_bad_payloads_are_refused_and_never_delivered(case: str) -> None:
+    header, body, reason = BAD[case]
+    async with pair() as (sender, target, receiver, received):
+        ack = await raw_send(sender, target, header, body)
+        assert ack["ok"] is False and reason in str(ack["reason"])
+        assert received == [] and receiver.num_refused == 1
+
+
+async def test_a_truncated_payload_is_never_delivered() -> None:
+    async with pair() as (sender, target, _, received):
+        stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+        await wire.send(stream, "tensors", 1, header_for(BODY))
+        await stream.write(BODY[:100])
+        await stream.close()  # EOF 924 bytes early
+        with trio.fail_after(10), pytest.raises(ProtocolError):
+            await stream.read_exact(1)
+        assert received == []
+
+
+async def test_a_refusal_surfaces_to_the_sender() -> None:
+    async with pair() as (sender, target, _, received):
+        big = Payload(0, (TensorSpec("w", "int8", (LIMIT + 1,)),), bytes(LIMIT + 1))
+        with pytest.raises(ProtocolError):
+            await exchange.send_tensors(sender, target.peer_id, big, timeout_s=10)
+        assert received == []
