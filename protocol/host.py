@@ -219,6 +219,18 @@ class Host:
         """Addresses we listen on (no /p2p suffix)."""
         return [str(a) for a in self._host.get_transport_addrs()]
 
+    def direct_ip(self, peer_id: str) -> str | None:
+        """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
+        try:
+            conns = self._host.get_network().connections.get(_parse_peer_id(peer_id), [])
+        except DialError:
+            return None
+        for conn in conns:
+            stream = _socket_stream_of(conn)
+            if stream is not None and stream.socket.family == socket.AF_INET:
+                return str(stream.socket.getpeername()[0])
+        return None
+
     def connected_peers(self) -> set[str]:
         return {p.to_base58() for p in self._host.get_connected_peers()}
 
@@ -376,19 +388,22 @@ def peer_id_from_seed(seed: bytes) -> str:
     return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
 
 
+def _socket_stream_of(conn: object) -> trio.SocketStream | None:
+    """The TCP socket under a connection: conn → muxer → security → raw → trio stream.
+
+    A relayed connection ends in a stream over another peer, not in a socket: None.
+    """
+    layer: object = getattr(conn, "muxed_conn", None)
+    for _ in range(8):  # the stack is 5 layers deep in 0.8.1
+        if layer is None or isinstance(layer, trio.SocketStream):
+            break
+        layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
+    return layer if isinstance(layer, trio.SocketStream) else None
+
+
 def _socket_streams(raw_host: IHost) -> list[trio.SocketStream]:
-    """The TCP sockets under every connection: conn → muxer → security → raw → trio stream."""
-    found: list[trio.SocketStream] = []
-    for conns in list(raw_host.get_network().connections.values()):
-        for conn in conns:
-            layer: object = getattr(conn, "muxed_conn", None)
-            for _ in range(8):  # the stack is 5 layers deep in 0.8.1
-                if layer is None or isinstance(layer, trio.SocketStream):
-                    break
-                layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
-            if isinstance(layer, trio.SocketStream):
-                found.append(layer)
-    return found
+    streams = (_socket_stream_of(c) for conns in list(raw_host.get_network().connections.values()) for c in conns)
+    return [s for s in streams if s is not None]
 
 
 async def _close(raw_host: IHost) -> None:

@@ -1,13 +1,14 @@
 """Bulk tensor transfers between two real hosts on loopback, and every way a payload can be bad."""
 
-import hashlib
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
 
-from protocol import exchange, wire
+from protocol import data_channel, exchange, wire
+from protocol.data_channel import DataChannel
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorReceiver, TensorSpec
 from protocol.host import Host, open_host, parse_dial_addr
@@ -18,21 +19,29 @@ LIMIT = 1 << 20
 
 
 @asynccontextmanager
-async def pair() -> AsyncIterator[tuple[Host, Host, TensorReceiver, list[tuple[str, Payload]]]]:
+async def pair(*, direct: bool = False) -> AsyncIterator[tuple[Host, Host, TensorReceiver, list[tuple[str, Payload]]]]:
+    """A sender and a receiving host; ``direct`` gives the receiver a data channel."""
     received: list[tuple[str, Payload]] = []
 
     async def accept(peer_id: str, payload: Payload) -> None:
-        received.append((peer_id, payload))
+        received.append((peer_id, Payload(payload.round, payload.specs, bytes(payload.data))))  # lent: copy
 
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with (
         open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as sender,
         open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as target,
+        trio.open_nursery() as nursery,
     ):
-        receiver = TensorReceiver(target, PeerTable(ttl_s=10), accept, max_payload_nbytes=LIMIT, timeout_s=10)
+        channel = DataChannel("127.0.0.1") if direct else None
+        if channel is not None:
+            await nursery.start(channel.run)
+        receiver = TensorReceiver(
+            target, PeerTable(ttl_s=10), accept, max_payload_nbytes=LIMIT, timeout_s=10, channel=channel
+        )
         receiver.register()
         await sender.connect(parse_dial_addr(target.addrs()[0]), timeout_s=5)
         yield sender, target, receiver, received
+        nursery.cancel_scope.cancel()
 
 
 def payload(round_index: int = 3) -> Payload:
@@ -42,10 +51,12 @@ def payload(round_index: int = 3) -> Payload:
     return Payload(round_index, specs, data)
 
 
-async def test_round_trip_delivers_every_byte_and_spec() -> None:
-    async with pair() as (sender, target, _, received):
+@pytest.mark.parametrize("direct", [False, True])
+async def test_round_trip_delivers_every_byte_and_spec(direct: bool) -> None:
+    async with pair(direct=direct) as (sender, target, receiver, received):
         sent = payload()
         await exchange.send_tensors(sender, target.peer_id, sent, timeout_s=10)
+        assert receiver.num_direct == int(direct)
         ((peer_id, got),) = received
         assert peer_id == sender.peer_id
         assert got.round == 3 and got.specs == sent.specs and bytes(got.data) == bytes(sent.data)
@@ -54,11 +65,15 @@ async def test_round_trip_delivers_every_byte_and_spec() -> None:
 
 
 async def raw_send(sender: Host, target: Host, header: dict[str, object], body: bytes) -> dict[str, object]:
+    """Speak the protocol by hand: header, then (if told to go) the body on the stream, then the verdict."""
     stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
     await wire.send(stream, "tensors", 1, header)
-    if body:
-        await stream.write(body)
     with trio.fail_after(10):
+        reply = await wire.receive(stream, msg_types=frozenset({"ack", "go"}), version=1, max_nbytes=4096)
+        if reply["t"] == "ack":
+            return reply
+        assert reply["port"] == 0
+        await stream.write(body)
         return await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
 
 
@@ -67,7 +82,8 @@ def header_for(data: bytes, **changes: object) -> dict[str, object]:
         "round": 1,
         "tensors": [{"name": "w", "dtype": "float32", "shape": [len(data) // 4], "nbytes": len(data)}],
         "nbytes": len(data),
-        "sha256": hashlib.sha256(data).digest(),
+        "blake3": exchange.digest(data),
+        "channel": "stream",
     }
     header.update(changes)
     return header
@@ -75,7 +91,8 @@ def header_for(data: bytes, **changes: object) -> dict[str, object]:
 
 BODY = b"\x00\x00\x80\x3f" * 256  # 256 float32 ones
 BAD = {
-    "hash mismatch": (header_for(BODY, sha256=b"\x00" * 32), BODY, "hash"),
+    "hash mismatch": (header_for(BODY, blake3=b"\x00" * 32), BODY, "hash"),
+    "unknown channel": (header_for(BODY, channel="pigeon"), BODY, "unknown channel"),
     "wrong shape for nbytes": (
         header_for(BODY, tensors=[{"name": "w", "dtype": "float32", "shape": [3, 3], "nbytes": 1024}]),
         BODY,
@@ -118,6 +135,7 @@ async def test_a_truncated_payload_is_never_delivered() -> None:
     async with pair() as (sender, target, _, received):
         stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
         await wire.send(stream, "tensors", 1, header_for(BODY))
+        await wire.receive(stream, msg_types=frozenset({"go"}), version=1, max_nbytes=4096)
         await stream.write(BODY[:100])
         await stream.close()  # EOF 924 bytes early
         with trio.fail_after(10), pytest.raises(ProtocolError):
@@ -131,3 +149,48 @@ async def test_a_refusal_surfaces_to_the_sender() -> None:
         with pytest.raises(ProtocolError):
             await exchange.send_tensors(sender, target.peer_id, big, timeout_s=10)
         assert received == []
+
+
+async def test_tampering_on_the_direct_channel_is_caught_by_the_hash() -> None:
+    async with pair(direct=True) as (sender, target, receiver, received):
+        stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+        await wire.send(stream, "tensors", 1, header_for(BODY, channel="direct"))
+        go = await wire.receive(stream, msg_types=frozenset({"go"}), version=1, max_nbytes=4096)
+        assert go["port"] > 0 and len(go["token"]) == 32
+        forged = b"\xff" + BODY[1:]  # what a man in the middle of the plain TCP link could do
+        await data_channel.send("127.0.0.1", go["port"], go["token"], memoryview(forged))
+        with trio.fail_after(10):
+            ack = await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
+        assert ack["ok"] is False and "hash" in ack["reason"]
+        assert received == [] and receiver.num_refused == 1
+
+
+async def test_the_data_port_ignores_connections_without_a_valid_token() -> None:
+    async with pair(direct=True) as (sender, target, _receiver, received):
+        stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+        await wire.send(stream, "tensors", 1, header_for(BODY, channel="direct"))
+        go = await wire.receive(stream, msg_types=frozenset({"go"}), version=1, max_nbytes=4096)
+        # A stranger guessing tokens gets nothing: its bytes are dropped unread.
+        with contextlib.suppress(ProtocolError):  # the receiver hangs up on it
+            await data_channel.send("127.0.0.1", go["port"], b"\x00" * 32, memoryview(BODY))
+        # The real sender, with the real token, still completes the transfer.
+        await data_channel.send("127.0.0.1", go["port"], go["token"], memoryview(BODY))
+        with trio.fail_after(10):
+            ack = await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
+        assert ack["ok"] is True
+        ((_, got),) = received
+        assert bytes(got.data) == BODY
+
+
+def test_buffer_pool_reuses_buffers_of_the_same_size_up_to_a_cap() -> None:
+    pool = exchange.BufferPool()
+    first = pool.take(1024)
+    pool.give(first)
+    assert pool.take(1024) is first
+    assert pool.take(1024) is not first  # not given back yet: a fresh one
+    buffers = [pool.take(64) for _ in range(exchange.MAX_FREE_PER_SIZE + 2)]
+    for buffer in buffers:
+        pool.give(buffer)
+    taken = [pool.take(64) for _ in range(exchange.MAX_FREE_PER_SIZE + 2)]
+    reused = sum(any(t is b for b in buffers) for t in taken)  # identity: equal zeros are not the same buffer
+    assert reused == exchange.MAX_FREE_PER_SIZE
