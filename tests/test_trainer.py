@@ -1,0 +1,74 @@
+"""The worker's training core in one process: inner steps, outer payloads, bad partners."""
+
+import pytest
+import torch
+
+from training import data
+from training.models import GPT, GPTConfig
+from training.noloco import OuterConfig
+from training.trainer import InnerConfig, PayloadRejected, Trainer
+
+SMALL = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2)
+TOKENS = data.encode(data.embedded_corpus()[:200_000])
+
+
+def trainer(node_index: int, num_nodes: int = 2, *, steps: int = 10) -> Trainer:
+    torch.manual_seed(0)  # the same initial weights on every node, as a run's checkpoint would give
+    shard = data.make_shard(TOKENS, context_len=SMALL.context_len, node_index=node_index, num_nodes=num_nodes)
+    return Trainer(
+        GPT(SMALL), shard, inner=InnerConfig(steps_per_round=steps, lr=3e-3), outer=OuterConfig(), seed=node_index
+    )
+
+
+def test_local_training_lowers_validation_loss() -> None:
+    t = trainer(0, 1)
+    before = t.val_loss()
+    for _ in range(4):
+        t.inner_steps()
+        t.apply_outer(None, algorithm="local")
+    assert t.val_loss() < before - 1.0
+
+
+def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite() -> None:
+    a, b = trainer(0), trainer(1)
+    before = a.val_loss()
+    for _ in range(4):
+        a.inner_steps()
+        b.inner_steps()
+        pa, pb = a.outer_payload(), b.outer_payload()
+        assert a.apply_outer(pb) and b.apply_outer(pa)
+    assert a.val_loss() < before - 1.0
+    # Two nodes that always pair hold the same slow weights (heavy-ball DiLoCo).
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf", "short", "float64"])
+def test_a_bad_partner_payload_is_rejected_and_the_round_goes_on_alone(damage: str) -> None:
+    a, b = trainer(0), trainer(1)
+    a.inner_steps()
+    b.inner_steps()
+    payload = b.outer_payload()
+    if damage == "nan":
+        payload[123] = float("nan")
+    elif damage == "inf":
+        payload[-1] = float("inf")
+    elif damage == "short":
+        payload = payload[:-1]
+    else:
+        payload = payload.double()
+    with pytest.raises(PayloadRejected):
+        a.parse_payload(payload)
+    reference = trainer(0)
+    reference.inner_steps()
+    assert a.apply_outer(payload) is False  # fell back to the no-partner step
+    assert reference.apply_outer(None) is False
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, reference.phi, strict=True))
+    assert all(torch.isfinite(p).all() for p in a.model.parameters())
+
+
+def test_payload_round_trips_into_our_shapes() -> None:
+    a = trainer(0)
+    a.inner_steps()
+    peer = a.parse_payload(a.outer_payload())
+    assert [p.shape for p in peer.phi] == [p.shape for p in a.phi]
+    assert all(torch.equal(x, y) for x, y in zip(peer.phi, a.phi, strict=True))
