@@ -143,20 +143,9 @@ class Stream:
         self.peer_id: str = raw.muxed_conn.peer_id.to_base58()
 
     async def read_exact(self, nbytes: int) -> bytes:
-        chunks: list[bytes] = []
-        remaining = nbytes
-        try:
-            while remaining > 0:
-                chunk = await self._raw.read(remaining)
-                if not chunk:
-                    raise StreamError(f"stream ended {remaining} bytes early")
-                chunks.append(chunk)
-                remaining -= len(chunk)
-        except StreamEOF as exc:
-            raise StreamError(f"stream ended {remaining} bytes early") from exc
-        except BaseLibp2pError as exc:
-            raise StreamError(f"read failed: {exc}") from exc
-        return b"".join(chunks)
+        buffer = bytearray(nbytes)
+        await self.read_into(memoryview(buffer), chunk_nbytes=nbytes)
+        return bytes(buffer)
 
     async def read_into(self, buffer: memoryview, *, chunk_nbytes: int) -> None:
         """Fill ``buffer`` exactly (bulk payloads land in memory allocated once)."""
