@@ -67,7 +67,6 @@ class RunService:
         self._met_someone = trio.Event()
         self.num_pulls = 0
         self.num_gossip_received = 0
-        self.num_gossip_received = 0
         self.num_pull_failures = 0
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
