@@ -1,0 +1,68 @@
+"""The typed messages between the daemon and its worker process, and their framing.
+
+Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v, ...}):
+
+    daemon                                             worker
+                                 ◀── {t: "ready", payload_nbytes, outbox, inbox}
+                                     (names of two shared-memory blocks of that size)
+                                 ◀── {t: "round_done", round, train_loss, val_loss, compute_s}
+                                     (the outbox now holds φ then Δ as float32)
+    {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
+                                 ◀── {t: "outer_done", round, used_peer}
+    {t: "stop"}                  ──▶ the worker exits 0
+
+No torch here: the daemon imports this module and never imports torch. Tensors move
+through shared memory, never through this pipe, and nothing is pickled.
+"""
+
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+import msgpack
+
+VERSION = 1
+LENGTH_NBYTES = 4
+# Control messages are small; a larger frame means a bug or a corrupted pipe.
+MAX_FRAME_NBYTES = 1 << 20
+WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "error"})
+DAEMON_TYPES = frozenset({"outer_go", "stop"})
+
+
+class IpcError(Exception):
+    """The other side sent something malformed, or the pipe closed."""
+
+
+def encode(msg_type: str, fields: Mapping[str, Any]) -> bytes:
+    body: bytes = msgpack.packb({"t": msg_type, "v": VERSION, **fields}, use_bin_type=True)
+    if len(body) > MAX_FRAME_NBYTES:
+        raise ValueError(f"control message of {len(body)} bytes is too large")
+    return len(body).to_bytes(LENGTH_NBYTES, "big") + body
+
+
+def decode(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise IpcError(f"undecodable control message: {exc}") from exc
+    if not isinstance(msg, dict) or msg.get("v") != VERSION or msg.get("t") not in allowed:
+        raise IpcError(f"unexpected control message {str(msg)[:100]}")
+    return msg
+
+
+def read_blocking(stream: BinaryIO, allowed: frozenset[str]) -> dict[str, Any]:
+    """Read one message from a blocking file (the worker's side)."""
+    header = stream.read(LENGTH_NBYTES)
+    if len(header) < LENGTH_NBYTES:
+        raise IpcError("control pipe closed")
+    nbytes = int.from_bytes(header, "big")
+    if nbytes > MAX_FRAME_NBYTES:
+        raise IpcError(f"control frame of {nbytes} bytes")
+    body = stream.read(nbytes)
+    if len(body) < nbytes:
+        raise IpcError("control pipe closed mid-message")
+    return decode(body, allowed)
+
+
+def write_blocking(stream: BinaryIO, msg_type: str, **fields: Any) -> None:
+    stream.write(encode(msg_type, fields))
+    stream.flush()

@@ -1,0 +1,147 @@
+"""The worker process: trains, and talks to its daemon only through training/ipc.py.
+
+    python -m training.worker CONFIG_JSON
+
+It never touches the network. Each round: H inner steps, φ and Δ into the outbox (shared
+memory), ``round_done``; then wait for ``outer_go`` and apply the outer step, with the
+inbox's partner payload when there is one. stdout carries control messages only; logs go
+to stderr.
+"""
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from training import data, ipc
+from training.models import GPT, GPTConfig, preset
+from training.noloco import OuterConfig
+from training.trainer import InnerConfig, Trainer
+
+logger = logging.getLogger("training.worker")
+
+ALGORITHMS = ("noloco", "local")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    model: str = "tiny"
+    """Model preset (training/models.py)."""
+    model_overrides: dict[str, int] = field(default_factory=dict)
+    """Preset fields to change, e.g. {"num_layers": 2} for tests."""
+    algorithm: str = "noloco"
+    node_index: int = 0
+    num_nodes: int = 1
+    rounds: int = 10
+    inner: dict[str, Any] = field(default_factory=dict)
+    """InnerConfig fields."""
+    outer: dict[str, float] = field(default_factory=dict)
+    """OuterConfig fields."""
+    data_path: str | None = None
+    """Text file or folder; the embedded corpus when None."""
+    seed: int = 0
+    """Initial weights: the same on every node of a run."""
+    threads: int = 1
+    """torch threads: several workers share a CPU in a simulation."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if not 0 <= self.node_index < self.num_nodes:
+            raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
+        if self.rounds < 1 or self.threads < 1:
+            raise ValueError("rounds and threads must be >= 1")
+
+
+def build_trainer(config: WorkerConfig) -> Trainer:
+    torch.set_num_threads(config.threads)
+    model_config = GPTConfig(**{**_fields(preset(config.model)), **config.model_overrides})
+    torch.manual_seed(config.seed)
+    model = GPT(model_config)
+    tokens = data.encode(data.read_corpus(None if config.data_path is None else Path(config.data_path)))
+    shard = data.make_shard(
+        tokens, context_len=model_config.context_len, node_index=config.node_index, num_nodes=config.num_nodes
+    )
+    return Trainer(
+        model, shard, inner=InnerConfig(**config.inner), outer=OuterConfig(**config.outer), seed=config.node_index
+    )
+
+
+def _fields(config: GPTConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__slots__}
+
+
+def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
+    trainer = build_trainer(config)
+    nbytes = trainer.payload_numel * 4
+    outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    try:
+        _rounds(config, trainer, outbox, inbox, commands, replies)
+    finally:
+        for block in (outbox, inbox):
+            block.close()
+            block.unlink()
+
+
+def _rounds(
+    config: WorkerConfig,
+    trainer: Trainer,
+    outbox: shared_memory.SharedMemory,
+    inbox: shared_memory.SharedMemory,
+    commands: BinaryIO,
+    replies: BinaryIO,
+) -> None:
+    # Tensors over the shared blocks live only in this frame, and are deleted on the way
+    # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
+    out_view = torch.frombuffer(outbox.buf, dtype=torch.float32, count=trainer.payload_numel)
+    in_view = torch.frombuffer(inbox.buf, dtype=torch.float32, count=trainer.payload_numel)
+    try:
+        ipc.write_blocking(
+            replies, "ready", payload_nbytes=trainer.payload_numel * 4, outbox=outbox.name, inbox=inbox.name
+        )
+        for round_index in range(config.rounds):
+            started = time.perf_counter()
+            train_loss = trainer.inner_steps()
+            out_view.copy_(trainer.outer_payload())
+            compute_s = time.perf_counter() - started
+            val_loss = trainer.val_loss()
+            ipc.write_blocking(
+                replies,
+                "round_done",
+                round=round_index,
+                train_loss=train_loss,
+                val_loss=val_loss,
+                compute_s=compute_s,
+                step=trainer.step,
+            )
+            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+            if command["t"] == "stop":
+                return
+            if command.get("round") != round_index:
+                raise ipc.IpcError(f"outer_go for round {command.get('round')} while at round {round_index}")
+            peer = in_view.clone() if command.get("peer") is True else None
+            used = trainer.apply_outer(peer, algorithm=config.algorithm)
+            ipc.write_blocking(replies, "outer_done", round=round_index, used_peer=used)
+        ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
+    finally:
+        del out_view, in_view
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
+    config = WorkerConfig(**json.loads(sys.argv[1]))
+    try:
+        run(config, sys.stdin.buffer, sys.stdout.buffer)
+    except ipc.IpcError as exc:
+        logger.info("daemon went away or misbehaved: %s", exc)
+
+
+if __name__ == "__main__":
+    main()
