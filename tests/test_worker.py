@@ -11,7 +11,7 @@ import torch
 import trio
 
 from training import ipc
-from training.worker import WorkerConfig
+from training.worker_config import WorkerConfig
 
 SMALL_MODEL = {"context_len": 32, "embed_dim": 32, "num_layers": 2, "num_heads": 2}
 TIMEOUT_S = 120.0

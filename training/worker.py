@@ -12,7 +12,6 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,40 +22,9 @@ from training import data, ipc
 from training.models import GPT, GPTConfig, preset
 from training.noloco import OuterConfig
 from training.trainer import InnerConfig, Trainer
+from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
-
-ALGORITHMS = ("noloco", "local")
-
-
-@dataclass(kw_only=True, slots=True)
-class WorkerConfig:
-    model: str = "tiny"
-    """Model preset (training/models.py)."""
-    model_overrides: dict[str, int] = field(default_factory=dict)
-    """Preset fields to change, e.g. {"num_layers": 2} for tests."""
-    algorithm: str = "noloco"
-    node_index: int = 0
-    num_nodes: int = 1
-    rounds: int = 10
-    inner: dict[str, Any] = field(default_factory=dict)
-    """InnerConfig fields."""
-    outer: dict[str, float] = field(default_factory=dict)
-    """OuterConfig fields."""
-    data_path: str | None = None
-    """Text file or folder; the embedded corpus when None."""
-    seed: int = 0
-    """Initial weights: the same on every node of a run."""
-    threads: int = 1
-    """torch threads: several workers share a CPU in a simulation."""
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
-        if not 0 <= self.node_index < self.num_nodes:
-            raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
-        if self.rounds < 1 or self.threads < 1:
-            raise ValueError("rounds and threads must be >= 1")
 
 
 def build_trainer(config: WorkerConfig) -> Trainer:

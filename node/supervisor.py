@@ -1,0 +1,151 @@
+"""Runs the worker process, restarts it when it crashes, and speaks its control protocol.
+
+The worker (training/worker.py) is a child process that trains and never touches the
+network. A crash never takes the node off the network: the supervisor logs the worker's
+exit, waits (1 s, doubling to 60 s while it keeps crashing) and starts a new one, which
+resumes from the slow weights of the run (today: from the start; checkpoints come later).
+"""
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import trio
+
+from training import ipc
+from training.worker_config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 60.0
+# A worker that ran this long before crashing was healthy: start the backoff over.
+HEALTHY_RUN_S = 60.0
+
+
+class WorkerGone(Exception):
+    """The worker exited or broke its protocol; the supervisor will start another."""
+
+
+class WorkerConnection:
+    """One running worker: its messages in, commands out, and its shared-memory blocks."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.outbox: shared_memory.SharedMemory | None = None
+        self.inbox: shared_memory.SharedMemory | None = None
+        self.payload_nbytes = 0
+
+    async def receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        while True:
+            if len(self._buffer) >= ipc.LENGTH_NBYTES:
+                nbytes = int.from_bytes(self._buffer[: ipc.LENGTH_NBYTES], "big")
+                if nbytes > ipc.MAX_FRAME_NBYTES:
+                    raise WorkerGone(f"worker sent a {nbytes}-byte control frame")
+                end = ipc.LENGTH_NBYTES + nbytes
+                if len(self._buffer) >= end:
+                    body, self._buffer = self._buffer[ipc.LENGTH_NBYTES : end], self._buffer[end:]
+                    try:
+                        return ipc.decode(body, ipc.WORKER_TYPES)
+                    except ipc.IpcError as exc:
+                        raise WorkerGone(str(exc)) from exc
+            try:
+                chunk = await self.process.stdout.receive_some(65536)
+            except trio.BrokenResourceError as exc:
+                raise WorkerGone("worker's pipe broke") from exc
+            if not chunk:
+                raise WorkerGone("worker exited")
+            self._buffer += chunk
+
+    async def send(self, msg_type: str, **fields: Any) -> None:
+        assert self.process.stdin is not None
+        try:
+            await self.process.stdin.send_all(ipc.encode(msg_type, fields))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise WorkerGone("worker's pipe broke") from exc
+
+    def attach(self, ready: dict[str, Any]) -> None:
+        self.payload_nbytes = int(ready["payload_nbytes"])
+        self.outbox, self.inbox = _attach(str(ready["outbox"])), _attach(str(ready["inbox"]))
+
+    def detach(self) -> None:
+        for block in (self.outbox, self.inbox):
+            if block is not None:
+                block.close()
+        self.outbox = self.inbox = None
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    block = shared_memory.SharedMemory(name=name)
+    # Python < 3.13 registers attached blocks with our resource tracker, which would unlink
+    # them when the daemon exits; the worker created them and removes them.
+    resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]
+    return block
+
+
+Session = Callable[[WorkerConnection], Awaitable[None]]
+"""Drives one worker from "ready" until it finishes (returns) or dies (WorkerGone)."""
+
+
+class Supervisor:
+    def __init__(self, config: WorkerConfig, session: Session, *, log_path: str | None = None) -> None:
+        self._config = config
+        self._session = session
+        self._log_path = log_path
+        self.num_starts = 0
+        self.finished = trio.Event()
+
+    async def run(self) -> None:
+        delay_s = RESTART_DELAY_S
+        while True:
+            started = trio.current_time()
+            self.num_starts += 1
+            if await self._run_once():
+                self.finished.set()
+                return
+            if trio.current_time() - started > HEALTHY_RUN_S:
+                delay_s = RESTART_DELAY_S
+            logger.warning("worker stopped unexpectedly; restarting in %.0f s", delay_s)
+            await trio.sleep(delay_s)
+            delay_s = min(2 * delay_s, MAX_RESTART_DELAY_S)
+
+    async def _run_once(self) -> bool:
+        """One worker's life; True if it finished its rounds."""
+        command = [sys.executable, "-m", "training.worker", json.dumps(asdict(self._config))]
+        stderr = open(self._log_path, "ab") if self._log_path else None  # noqa: ASYNC230, SIM115
+        try:
+            process = await trio.lowlevel.open_process(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()
+        connection = WorkerConnection(process)
+        try:
+            ready = await connection.receive()
+            if ready["t"] != "ready":
+                raise WorkerGone(f"worker began with {ready['t']!r}")
+            connection.attach(ready)
+            await self._session(connection)
+            await connection.send("stop")
+            return True
+        except WorkerGone as exc:
+            logger.warning("worker: %s", exc)
+            return False
+        finally:
+            connection.detach()
+            with trio.CancelScope(shield=True):
+                if process.poll() is None and process.stdin is not None:
+                    await process.stdin.aclose()  # EOF: a healthy worker exits on its own
+                with trio.move_on_after(10):
+                    await process.wait()
+                if process.poll() is None:
+                    process.kill()
+                    await process.wait()

@@ -1,0 +1,181 @@
+"""Pairing for one NoLoCo round, without a barrier: ask one peer at a time, never wait long.
+
+Protocol flow (``/swarmtrain/pair/1.0.0``), one question per stream:
+
+    asker                                       asked
+    {t: "pair?", v: 1, round, nbytes} ─────────▶ accepts if it is at the same round boundary,
+                                                 unpaired, not itself asking, and its payload
+                                                 has the same size
+                                      ◀───────── {t: "accept", v: 1} or {t: "busy", v: 1, reason}
+    after "accept" each sends its payload to the other (protocol/exchange.py, same round)
+
+A node at a boundary ``offer``s its payload, then ``find_partner`` asks live peers in
+random order; "busy" means try another. Meanwhile it accepts the first peer that asks it.
+Two nodes asking each other at the same moment both answer "busy" (each holds its asking
+lock) and retry after a random pause, so they do not collide forever. Everything is
+bounded by ``timeout_s``: with no partner by then, the round goes on alone (NoLoCo skips
+the γ term), and a slow or dead peer never holds anyone longer than that.
+"""
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from protocol import wire
+from protocol.errors import ProtocolError
+from protocol.exchange import Payload, TensorSpec, send_tensors
+from protocol.host import Host, Stream
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/swarmtrain/pair/1.0.0"
+VERSION = 1
+MAX_FRAME_NBYTES = 4096
+ASK_TIMEOUT_S = 5.0
+# Pause between sweeps over the candidates (peers may reach their boundary any moment).
+RETRY_PAUSE_S = (0.05, 0.3)
+PAYLOAD_NAME = "noloco"
+
+
+@dataclass(slots=True)
+class _Round:
+    index: int
+    outbox: memoryview
+    inbox: memoryview
+    partner: str | None = None
+    received: bool = False
+    sent: trio.Event = field(default_factory=trio.Event)
+
+
+class Pairing:
+    def __init__(self, host: Host, *, send_timeout_s: float) -> None:
+        self._host = host
+        self._send_timeout_s = send_timeout_s
+        self._round: _Round | None = None
+        self._asking = trio.Lock()
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        self._host.set_handler(PROTOCOL_ID, self._serve)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def accept_payload(self, peer_id: str, payload: Payload) -> None:
+        """TensorReceiver callback: keep our partner's payload for this round, drop others."""
+        current = self._round
+        if current is None or peer_id != current.partner or payload.round != current.index:
+            logger.info("ignored a payload from %s for round %d (not our partner now)", peer_id, payload.round)
+            return
+        if len(payload.data) != len(current.inbox) or payload.specs[0].name != PAYLOAD_NAME:
+            logger.warning("partner %s sent %d bytes, we expect %d", peer_id, len(payload.data), len(current.inbox))
+            return
+        current.inbox[:] = payload.data
+        current.received = True
+        self.bytes_received += len(payload.data)
+        self._notify()
+
+    async def find_partner(
+        self, round_index: int, outbox: memoryview, inbox: memoryview, candidates: list[str], *, timeout_s: float
+    ) -> str | None:
+        """Pair for this round and fill ``inbox`` with the partner's payload; the partner, or None."""
+        current = _Round(round_index, outbox, inbox)
+        self._round = current
+        try:
+            with trio.move_on_after(timeout_s):
+                await self._pair(current, candidates)
+                while not current.received:
+                    changed = self._changed
+                    if current.received:
+                        break
+                    await changed.wait()
+                await current.sent.wait()  # the outbox is ours to reuse only once it is sent
+            return current.partner if current.received else None
+        finally:
+            self._round = None
+
+    async def _pair(self, current: _Round, candidates: list[str]) -> None:
+        order = random.sample(candidates, len(candidates))
+        while current.partner is None:
+            for peer_id in order:
+                if current.partner is not None:
+                    return
+                async with self._asking:
+                    if current.partner is not None:
+                        return
+                    if await self._ask(peer_id, current):
+                        current.partner = peer_id
+                        self._start_sending(current)
+                        return
+            changed = self._changed
+            with trio.move_on_after(random.uniform(*RETRY_PAUSE_S)):
+                await changed.wait()  # someone paired with us, or a pause before the next sweep
+
+    async def _ask(self, peer_id: str, current: _Round) -> bool:
+        try:
+            with trio.fail_after(ASK_TIMEOUT_S):
+                stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
+                try:
+                    await wire.send(stream, "pair?", VERSION, {"round": current.index, "nbytes": len(current.outbox)})
+                    reply = await wire.receive(
+                        stream, msg_types=frozenset({"accept", "busy"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+                    )
+                finally:
+                    await stream.close()
+        except (ProtocolError, trio.TooSlowError) as exc:
+            logger.debug("asking %s to pair: %s", peer_id, exc)
+            return False
+        return bool(reply["t"] == "accept")
+
+    async def _serve(self, stream: Stream) -> None:
+        request = await wire.receive(
+            stream, msg_types=frozenset({"pair?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+        )
+        round_index = wire.get_int(request, "round", lo=0, hi=1 << 62)
+        nbytes = wire.get_int(request, "nbytes", lo=0, hi=1 << 40)
+        current = self._round
+        reason = ""
+        if current is None or current.index != round_index:
+            reason = "not at that round's boundary"
+        elif current.partner is not None:
+            reason = "already paired"
+        elif self._asking.locked():
+            reason = "asking someone"
+        elif nbytes != len(current.outbox):
+            reason = f"payload of {nbytes} bytes, ours is {len(current.outbox)}"
+        if reason:
+            await wire.send(stream, "busy", VERSION, {"reason": reason})
+            return
+        assert current is not None
+        current.partner = stream.peer_id
+        await wire.send(stream, "accept", VERSION, {})
+        self._start_sending(current)
+        self._notify()
+
+    def _start_sending(self, current: _Round) -> None:
+        assert self._nursery is not None and current.partner is not None
+        self._nursery.start_soon(self._send, current.partner, current)
+
+    async def _send(self, partner: str, current: _Round) -> None:
+        payload = Payload(current.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(current.outbox),)),), current.outbox)
+        try:
+            await send_tensors(self._host, partner, payload, timeout_s=self._send_timeout_s)
+            self.bytes_sent += len(current.outbox)
+        except ProtocolError as exc:
+            logger.info("sending round %d payload to %s failed: %s", current.index, partner, exc)
+        finally:
+            current.sent.set()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
