@@ -27,7 +27,18 @@ def run_once(num_nodes: int, workdir: Path) -> dict[str, object]:
     report_path = workdir / f"report-{num_nodes}.json"
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "node", "simulate", "--nodes", str(num_nodes), "--report", str(report_path)],
+        [
+            sys.executable,
+            "-m",
+            "node",
+            "simulate",
+            "--nodes",
+            str(num_nodes),
+            "--algorithm",
+            "none",
+            "--report",
+            str(report_path),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -46,6 +46,11 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
+    parser.add_argument("--algorithm", choices=("none", "noloco", "local"), help="train with this algorithm")
+    parser.add_argument("--rounds", type=int, help="outer rounds to train")
+    parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
+    parser.add_argument("--model", help="model preset: micro, tiny, gpt-125m")
+    parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
 
@@ -63,6 +68,10 @@ _FLAG_TO_FIELD = {
     "log_level": "log_level",
     "heartbeat_s": "state.heartbeat_interval_s",
     "peer_ttl_s": "state.peer_ttl_s",
+    "algorithm": "training.algorithm",
+    "rounds": "training.rounds",
+    "inner_steps": "training.steps_per_round",
+    "model": "training.model",
 }
 
 
@@ -74,6 +83,11 @@ def _node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None
             overrides[field_name] = str(value) if isinstance(value, Path) else value
     if bootstrap is not None:
         overrides["network.bootstrap"] = bootstrap
+    if getattr(args, "data_shard", None):
+        index, _, count = args.data_shard.partition("/")
+        if not (index.isdigit() and count.isdigit()):
+            raise ConfigError(f"--data-shard: expected I/N like 0/4, got {args.data_shard!r}")
+        overrides["training.shard_index"], overrides["training.num_shards"] = int(index), int(count)
     return config_module.load(args.config, overrides)
 
 
@@ -100,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long (default 120)")
     sim.add_argument("--linger-s", type=float, default=0.0, help="keep running this long after convergence")
     sim.add_argument("--keep-data", action="store_true", help="keep the nodes' data dirs and logs")
+    sim.add_argument(
+        "--algorithm", choices=("noloco", "local", "none"), default="noloco", help="noloco (default), local, or none"
+    )
+    sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
+    sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
+    sim.add_argument("--model", default="micro", help="model preset (default micro)")
     return parser
 
 
@@ -124,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_s=args.timeout_s,
                     linger_s=args.linger_s,
                     keep_data=args.keep_data,
+                    algorithm=args.algorithm,
+                    rounds=args.rounds,
+                    inner_steps=args.inner_steps,
+                    model=args.model,
                 )
                 return simulate(options)
     except ConfigError as exc:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
+from training.worker_config import MODEL_PRESETS
 
 T = typing.TypeVar("T")
 
@@ -110,6 +111,40 @@ class RunConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    algorithm: str = "none"
+    """none (network only), noloco, or local (no averaging: the baseline)."""
+    rounds: int = 20
+    """Outer rounds to train, then the worker stops (the node stays on the network)."""
+    steps_per_round: int = 50
+    """H: inner AdamW steps between outer steps."""
+    model: str = "tiny"
+    """Model preset (training/models.py)."""
+    lr: float = 1e-3
+    """Inner AdamW learning rate."""
+    batch_size: int = 8
+    shard_index: int = 0
+    """Which slice of the corpus this node trains on ..."""
+    num_shards: int = 1
+    """... out of how many."""
+    pair_timeout_s: float = 30.0
+    """Longest wait for a NoLoCo partner at a round boundary; then the round goes on alone."""
+    threads: int = 1
+    """torch threads of the worker."""
+
+    def __post_init__(self) -> None:
+        _choice("training.algorithm", self.algorithm, ("none", "noloco", "local"))
+        _choice("training.model", self.model, MODEL_PRESETS)
+        for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"training.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(f"training.shard_index: must be in [0, {self.num_shards}), got {self.shard_index}")
+        _positive("training.lr", self.lr)
+        _positive("training.pair_timeout_s", self.pair_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
 class NodeConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     """Holds the identity, the control socket, the lock and saved run state."""
@@ -123,6 +158,7 @@ class NodeConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     state: StateConfig = field(default_factory=StateConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def __post_init__(self) -> None:
         _choice("log_level", self.log_level, LOG_LEVELS)
@@ -194,6 +230,10 @@ def _convert(name: str, hint: Any, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name}: expected a number, got {value!r}")
         return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected a whole number, got {value!r}")
+        return value
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: expected true or false, got {value!r}")

@@ -19,9 +19,10 @@ from node.config import NodeConfig
 from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
 from node.errors import NodeError
+from node.training import TrainingService
 from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
-from protocol.host import Host, PeerAddrs, open_host, parse_dial_addr, peer_id_from_seed
+from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
 from protocol.info import NodeInfo, ask_info, serve_info
 from protocol.peers import PeerTable
 from protocol.run import RunService
@@ -48,6 +49,7 @@ class Daemon:
         self.host: Host | None = None
         self.run_service: RunService | None = None
         self.discovery: Discovery | None = None
+        self.training: TrainingService | None = None
         self.peers = PeerTable(ttl_s=config.state.peer_ttl_s)
         self.ready = trio.Event()
         self._stop = trio.Event()
@@ -105,6 +107,15 @@ class Daemon:
                 on_peer = self.run_service.on_peer_connected
                 nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host, state)))
                 nursery.start_soon(self._save_loop, state)
+                if self.config.training.algorithm != "none" and self.config.role == "trainer":
+                    self.training = TrainingService(
+                        host,
+                        self.peers,
+                        self.config.training,
+                        listen_ip=check_listen_addr(self.config.network.listen[0])[0],
+                        log_path=str(self.config.data_dir / "worker.log"),
+                    )
+                    await nursery.start(self.training.run)
             self.discovery = Discovery(
                 host,
                 run_id=run_id,
@@ -247,6 +258,7 @@ class Daemon:
             "num_pull_failures": rs.num_pull_failures if rs else 0,
             "num_dht_lookups": self.discovery.num_lookups if self.discovery else 0,
             "num_gossip_received": rs.num_gossip_received if rs else 0,
+            "training": self.training.status() if self.training else None,
         }
 
 

@@ -45,6 +45,11 @@ class SimulationOptions:
     """Keep the network running this long after it converged."""
     keep_data: bool = False
     """Keep each node's data dir and log (under /tmp) for inspection."""
+    algorithm: str = "none"
+    """Train with noloco or local; none only forms the network."""
+    rounds: int = 10
+    inner_steps: int = 10
+    model: str = "micro"
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -53,6 +58,19 @@ class SimulationOptions:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
+        if self.algorithm not in ("none", "noloco", "local"):
+            raise ConfigError(f"--algorithm: must be none, noloco or local, got {self.algorithm!r}")
+        if self.rounds < 1 or self.inner_steps < 1:
+            raise ConfigError("--rounds and --inner-steps: must be >= 1")
+
+    def training_flags(self, index: int) -> list[str]:
+        if self.algorithm == "none":
+            return []
+        return [
+            *["--algorithm", self.algorithm, "--rounds", str(self.rounds)],
+            *["--inner-steps", str(self.inner_steps), "--model", self.model],
+            *["--data-shard", f"{index}/{self.num_nodes}"],
+        ]
 
 
 @dataclass(slots=True)
@@ -142,7 +160,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
         print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
         for i in range(options.num_nodes):
-            flags = ["--bootstrap", boot_addr, "--run", run_id]
+            flags = ["--bootstrap", boot_addr, "--run", run_id, *options.training_flags(i)]
             nodes.append(_start(f"n{i}", base, flags))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
@@ -175,8 +193,11 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     break
                 if converged_at is None and all(n.converged_s is not None for n in nodes):
                     converged_at = now
-                if converged_at is not None and now - converged_at >= options.linger_s:
-                    stop_reason = "converged"
+                trained = options.algorithm == "none" or all(
+                    (n.status.get("training") or {}).get("finished") for n in nodes[1:]
+                )
+                if converged_at is not None and trained and now - converged_at >= options.linger_s:
+                    stop_reason = "converged" if options.algorithm == "none" else "trained"
                     break
                 await trio.sleep(POLL_INTERVAL_S)
     finally:
@@ -202,17 +223,31 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
             "members": s.get("members", 0),
             "state_digest": s.get("state_digest"),
             "exit_code": node.process.returncode,
+            **_training_entry(s.get("training")),
         }
 
     daemons = [entry(n) for n in nodes[1:]]
+    algorithm = next((d["algorithm"] for d in daemons if d.get("algorithm")), "none")
     digests = {d["state_digest"] for d in daemons} | {nodes[0].status.get("state_digest")}
     return {
-        "algorithm": "none",
+        "algorithm": algorithm,
         "wall_s": round(wall_s, 3),
         "num_nodes": len(daemons),
         "converged": all(n.converged_s is not None for n in nodes) and len(digests) == 1,
         "bootstrap": entry(nodes[0]) if nodes else {},
         "nodes": daemons,
+    }
+
+
+def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
+    if not training:
+        return {}
+    keys = ("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received", "rounds")
+    return {
+        **{k: training.get(k) for k in keys},
+        "rounds_with_partner": training.get("rounds_with_partner"),
+        "compute_s": training.get("compute_s"),
+        "sync_wait_s": training.get("sync_wait_s"),
     }
 
 

@@ -6,13 +6,17 @@ Protocol flow (``/swarmtrain/pair/1.0.0``), one question per stream:
     {t: "pair?", v: 1, round, nbytes} ─────────▶ accepts if it is at the same round boundary,
                                                  unpaired, not itself asking, and its payload
                                                  has the same size
-                                      ◀───────── {t: "accept", v: 1} or {t: "busy", v: 1, reason}
+                                      ◀───────── {t: "accept", v: 1} or
+                                                 {t: "busy", v: 1, retry, reason}
     after "accept" each sends its payload to the other (protocol/exchange.py, same round)
 
 A node at a boundary ``offer``s its payload, then ``find_partner`` asks live peers in
 random order; "busy" means try another. Meanwhile it accepts the first peer that asks it.
 Two nodes asking each other at the same moment both answer "busy" (each holds its asking
-lock) and retry after a random pause, so they do not collide forever. Everything is
+lock) and retry after a random pause, so they do not collide forever. A "busy" says whether
+to ask again: a peer paired for our round, or already past it, never will be free for it
+(retry false), and once no candidate is left we go on alone at once instead of waiting
+out the bound. Everything is
 bounded by ``timeout_s``: with no partner by then, the round goes on alone (NoLoCo skips
 the γ term), and a slow or dead peer never holds anyone longer than that.
 """
@@ -58,6 +62,7 @@ class Pairing:
         self._host = host
         self._send_timeout_s = send_timeout_s
         self._round: _Round | None = None
+        self._last_round = -1
         self._asking = trio.Lock()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -94,6 +99,8 @@ class Pairing:
         try:
             with trio.move_on_after(timeout_s):
                 await self._pair(current, candidates)
+                if current.partner is None:
+                    return None  # nobody left who could pair for this round
                 while not current.received:
                     changed = self._changed
                     if current.received:
@@ -103,25 +110,32 @@ class Pairing:
             return current.partner if current.received else None
         finally:
             self._round = None
+            self._last_round = max(self._last_round, round_index)
 
     async def _pair(self, current: _Round, candidates: list[str]) -> None:
         order = random.sample(candidates, len(candidates))
         while current.partner is None:
-            for peer_id in order:
+            if not order:
+                return  # everyone is paired for this round or already past it: go on alone now
+            for peer_id in list(order):
                 if current.partner is not None:
                     return
                 async with self._asking:
                     if current.partner is not None:
                         return
-                    if await self._ask(peer_id, current):
+                    answer = await self._ask(peer_id, current)
+                    if answer == "accept":
                         current.partner = peer_id
                         self._start_sending(current)
                         return
+                    if answer == "never":
+                        order.remove(peer_id)
             changed = self._changed
             with trio.move_on_after(random.uniform(*RETRY_PAUSE_S)):
                 await changed.wait()  # someone paired with us, or a pause before the next sweep
 
-    async def _ask(self, peer_id: str, current: _Round) -> bool:
+    async def _ask(self, peer_id: str, current: _Round) -> str:
+        """ "accept", "busy" (ask again later) or "never" (it cannot pair for this round)."""
         try:
             with trio.fail_after(ASK_TIMEOUT_S):
                 stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
@@ -134,8 +148,10 @@ class Pairing:
                     await stream.close()
         except (ProtocolError, trio.TooSlowError) as exc:
             logger.debug("asking %s to pair: %s", peer_id, exc)
-            return False
-        return bool(reply["t"] == "accept")
+            return "busy"
+        if reply["t"] == "accept":
+            return "accept"
+        return "busy" if reply.get("retry") is not False else "never"
 
     async def _serve(self, stream: Stream) -> None:
         request = await wire.receive(
@@ -144,17 +160,21 @@ class Pairing:
         round_index = wire.get_int(request, "round", lo=0, hi=1 << 62)
         nbytes = wire.get_int(request, "nbytes", lo=0, hi=1 << 40)
         current = self._round
-        reason = ""
-        if current is None or current.index != round_index:
-            reason = "not at that round's boundary"
+        # "never": the asker should stop asking us for this round; "later": ask again.
+        if current is None:
+            verdict = ("never", "past that round") if self._last_round >= round_index else ("later", "computing")
+        elif current.index != round_index:
+            verdict = ("never", "past that round") if current.index > round_index else ("later", "behind")
         elif current.partner is not None:
-            reason = "already paired"
-        elif self._asking.locked():
-            reason = "asking someone"
+            verdict = ("never", "already paired")
         elif nbytes != len(current.outbox):
-            reason = f"payload of {nbytes} bytes, ours is {len(current.outbox)}"
-        if reason:
-            await wire.send(stream, "busy", VERSION, {"reason": reason})
+            verdict = ("never", f"payload of {nbytes} bytes, ours is {len(current.outbox)}")
+        elif self._asking.locked():
+            verdict = ("later", "asking someone")
+        else:
+            verdict = None
+        if verdict is not None:
+            await wire.send(stream, "busy", VERSION, {"retry": verdict[0] == "later", "reason": verdict[1]})
             return
         assert current is not None
         current.partner = stream.peer_id

@@ -101,7 +101,7 @@ def env() -> dict[str, str]:
 
 async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: dict[str, str]) -> None:
     report_path = short_tmp / "report.json"
-    sim = await Proc.start(["simulate", "--nodes", "4", "--report", str(report_path)], env)
+    sim = await Proc.start(["simulate", "--nodes", "4", "--algorithm", "none", "--report", str(report_path)], env)
     assert await sim.finish() == 0, sim.output
     assert "4 nodes converged" in sim.output
     report = json.loads(report_path.read_text())
@@ -119,8 +119,25 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
     await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
+async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: dict[str, str]) -> None:
+    report_path = short_tmp / "report.json"
+    args = ["simulate", "--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--report", str(report_path)]
+    sim = await Proc.start(args, env)  # noloco is the default
+    assert await sim.finish() == 0, sim.output
+    report = json.loads(report_path.read_text())
+    assert report["algorithm"] == "noloco" and report["stop_reason"] == "trained"
+    for node in report["nodes"]:
+        assert node["rounds"] == 3 and len(node["loss_curve"]) == 3
+        assert node["final_loss"] < node["loss_curve"][0][1]  # it learned
+        assert node["compute_s"] > 0 and node["sync_wait_s"] >= 0
+    # With 3 nodes one may be left out of a round; pairs still form and move bytes both ways.
+    assert sum(n["rounds_with_partner"] for n in report["nodes"]) >= 2
+    assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"]) > 0
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
+
+
 async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:
-    sim = await Proc.start(["simulate", "--nodes", "3", "--linger-s", "600"], env)
+    sim = await Proc.start(["simulate", "--nodes", "3", "--algorithm", "none", "--linger-s", "600"], env)
     await sim.expect("run sim-")  # the bootstrap is up and the nodes are starting
     sim.process.send_signal(signal.SIGINT)
     assert await sim.finish() == 130, sim.output
@@ -130,7 +147,7 @@ async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> 
 
 async def test_killed_simulation_leaves_no_process(env: dict[str, str]) -> None:
     # SIGKILL: no handler runs. The nodes must notice by themselves (their lifeline closes).
-    sim = await Proc.start(["simulate", "--nodes", "2", "--linger-s", "600"], env)
+    sim = await Proc.start(["simulate", "--nodes", "2", "--algorithm", "none", "--linger-s", "600"], env)
     await sim.expect("n1 ")  # the table lists every node: all of them were started
     assert len(processes_with_marker(env["SWARMTRAIN_TEST_MARKER"])) >= 4  # simulate, forkserver, 3 nodes
     sim.process.kill()

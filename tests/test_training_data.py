@@ -77,3 +77,10 @@ def test_model_config_is_validated() -> None:
         preset("gpt-9000")
     with pytest.raises(ValueError, match="exceeds the context"):
         GPT(GPTConfig(context_len=8, num_layers=1, embed_dim=16, num_heads=2))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_torch_free_preset_list_matches_the_models() -> None:
+    from training.models import PRESETS
+    from training.worker_config import MODEL_PRESETS
+
+    assert set(MODEL_PRESETS) == set(PRESETS)

@@ -1,7 +1,8 @@
 """A small GPT (nanoGPT-style): token + position embeddings, pre-norm blocks, tied head.
 
-Presets: ``tiny`` (~3.4 M parameters, byte vocabulary, trains on a CPU here in minutes)
-and ``gpt-125m`` (GPT-2 small shape, for GPUs). Attention uses PyTorch's fused
+Presets: ``micro`` (~0.1 M parameters, for multi-node simulations on a small CPU), ``tiny``
+(~3.3 M parameters, byte vocabulary, trains on a CPU here in minutes) and ``gpt-125m``
+(GPT-2 small shape, for GPUs). Attention uses PyTorch's fused
 ``scaled_dot_product_attention`` (flash kernels on CUDA, a fused CPU path elsewhere).
 """
 
@@ -35,6 +36,8 @@ class GPTConfig:
 
 
 PRESETS: dict[str, GPTConfig] = {
+    # ~0.2 M parameters: several of them train side by side on a 2-core CPU in a simulation.
+    "micro": GPTConfig(context_len=64, num_layers=2, num_heads=4, embed_dim=64),
     "tiny": GPTConfig(),
     "gpt-125m": GPTConfig(vocab_size=50304, context_len=1024, num_layers=12, num_heads=12, embed_dim=768),
 }

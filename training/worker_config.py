@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ALGORITHMS = ("noloco", "local")
+# The presets of training/models.py, named here so torch-free code (the daemon) can check them.
+MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +30,8 @@ class WorkerConfig:
     """torch threads: several workers share a CPU in a simulation."""
 
     def __post_init__(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if not 0 <= self.node_index < self.num_nodes:

@@ -1,0 +1,147 @@
+"""A node's training: supervises its worker and runs each round's outer step with a peer.
+
+At every round boundary the worker reports its losses and leaves φ and Δ in its outbox.
+For NoLoCo we pair with one random live trainer (protocol/pairing.py; bounded wait, then
+alone), the partner's payload lands in the worker's inbox, and the worker applies the
+outer step. "local" trains alone, the baseline. Metrics feed ``status`` and the simulation
+report: the loss curve, bytes moved, and how the time split between compute and waiting.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node.config import TrainingConfig
+from node.supervisor import Supervisor, WorkerConnection, WorkerGone
+from protocol.data_channel import DataChannel
+from protocol.exchange import TensorReceiver
+from protocol.host import Host
+from protocol.pairing import Pairing
+from protocol.peers import PeerTable
+from training.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+# Payload exchanges are bounded too: a partner that stops reading never holds us for long.
+SEND_TIMEOUT_S = 120.0
+MAX_PAYLOAD_NBYTES = 4 << 30
+
+
+@dataclass(slots=True)
+class TrainingMetrics:
+    loss_curve: list[list[float]] = field(default_factory=list)
+    """[step, validation loss] at the end of each round's inner steps."""
+    rounds: int = 0
+    rounds_with_partner: int = 0
+    compute_s: float = 0.0
+    sync_wait_s: float = 0.0
+    finished: bool = False
+    worker_starts: int = 0
+
+
+class TrainingService:
+    def __init__(self, host: Host, peers: PeerTable, config: TrainingConfig, *, listen_ip: str, log_path: str) -> None:
+        self._host = host
+        self._peers = peers
+        self._config = config
+        self._listen_ip = listen_ip
+        self.metrics = TrainingMetrics()
+        self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S)
+        worker_config = WorkerConfig(
+            model=config.model,
+            algorithm=config.algorithm,
+            node_index=config.shard_index,
+            num_nodes=config.num_shards,
+            rounds=config.rounds,
+            inner={"steps_per_round": config.steps_per_round, "lr": config.lr, "batch_size": config.batch_size},
+            threads=config.threads,
+        )
+        self._supervisor = Supervisor(worker_config, self._session, log_path=log_path)
+
+    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        channel = DataChannel(self._listen_ip)
+        receiver = TensorReceiver(
+            self._host,
+            self._peers,
+            self._pairing.accept_payload,
+            max_payload_nbytes=MAX_PAYLOAD_NBYTES,
+            timeout_s=SEND_TIMEOUT_S,
+            channel=channel,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.run)
+            await nursery.start(self._pairing.run)
+            receiver.register()
+            task_status.started()
+            await self._supervisor.run()
+            self.metrics.finished = True
+            logger.info(
+                "training finished: %d rounds, %d with a partner", self.metrics.rounds, self.metrics.rounds_with_partner
+            )
+            nursery.cancel_scope.cancel()
+
+    def status(self) -> dict[str, Any]:
+        m = self.metrics
+        return {
+            "algorithm": self._config.algorithm,
+            "rounds": m.rounds,
+            "rounds_with_partner": m.rounds_with_partner,
+            "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
+            "loss_curve": m.loss_curve,
+            "bytes_sent": self._pairing.bytes_sent,
+            "bytes_received": self._pairing.bytes_received,
+            "compute_s": round(m.compute_s, 3),
+            "sync_wait_s": round(m.sync_wait_s, 3),
+            "finished": m.finished,
+            "worker_starts": self._supervisor.num_starts,
+        }
+
+    def _partners(self) -> list[str]:
+        return sorted(p for p, info in self._peers.live().items() if info.role == "trainer")
+
+    async def _session(self, worker: WorkerConnection) -> None:
+        assert worker.outbox is not None and worker.inbox is not None
+        assert worker.outbox.buf is not None and worker.inbox.buf is not None
+        outbox = worker.outbox.buf[: worker.payload_nbytes]
+        inbox = worker.inbox.buf[: worker.payload_nbytes]
+        try:
+            while True:
+                message = await worker.receive()
+                if message["t"] == "round_done":
+                    await self._outer(worker, message, outbox, inbox)
+                elif message["t"] == "outer_done":
+                    self.metrics.rounds += 1
+                    self.metrics.rounds_with_partner += int(message.get("used_peer") is True)
+                    if self.metrics.rounds >= self._config.rounds:
+                        return
+                else:
+                    raise WorkerGone(f"unexpected {message['t']!r} from the worker")
+        finally:
+            outbox.release()
+            inbox.release()
+
+    async def _outer(
+        self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
+    ) -> None:
+        round_index = int(done["round"])
+        self.metrics.loss_curve.append([float(done.get("step", 0)), float(done["val_loss"])])
+        self.metrics.compute_s += float(done.get("compute_s", 0.0))
+        started = trio.current_time()
+        partner = None
+        if self._config.algorithm == "noloco":
+            partner = await self._pairing.find_partner(
+                round_index, outbox, inbox, self._partners(), timeout_s=self._config.pair_timeout_s
+            )
+        self.metrics.sync_wait_s += trio.current_time() - started
+        logger.info(
+            "round %d: val loss %.3f, %s",
+            round_index,
+            done["val_loss"],
+            f"paired with {partner}" if partner else "alone",
+        )
+        await worker.send("outer_go", round=round_index, peer=partner is not None)
