@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
     sim.add_argument("--model", default="micro", help="model preset (default micro)")
+    sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
+    sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     return parser
 
 
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     rounds=args.rounds,
                     inner_steps=args.inner_steps,
                     model=args.model,
+                    plot_path=args.plot,
+                    kill_after_s=args.kill_after_s,
                 )
                 return simulate(options)
     except ConfigError as exc:

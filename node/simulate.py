@@ -50,6 +50,10 @@ class SimulationOptions:
     rounds: int = 10
     inner_steps: int = 10
     model: str = "micro"
+    plot_path: Path | None = None
+    """Draw the loss curves of all nodes into this PNG."""
+    kill_after_s: float | None = None
+    """Kill the last node (SIGKILL) this long after training starts: the others must finish."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -119,16 +123,21 @@ async def _poll(node: _Node) -> None:
 
 def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
     rows = [f"swarmtrain simulate: {len(nodes) - 1} nodes + bootstrap, {elapsed_s:5.1f} s"]
-    rows.append(f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9}")
+    rows.append(
+        f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9} {'round':>5} {'loss':>6}"
+    )
     for node in nodes:
         s = node.status
         peer = s.get("peer_id", "")[-8:] or "…"
         converged = f"{node.converged_s:.1f} s" if node.converged_s is not None else "-"
         if node.process.poll() is not None:
             converged = f"exit {node.process.returncode}"
+        training = s.get("training") or {}
+        loss = training.get("final_loss")
         rows.append(
             f"{node.name:6} {peer:10} {s.get('peers_seen', 0):>3}/{expected_peers:<3} "
-            f"{s.get('members', 0):>7} {s.get('state_digest') or '':16} {converged:>9}"
+            f"{s.get('members', 0):>7} {s.get('state_digest') or '':16} {converged:>9} "
+            f"{training.get('rounds', '-'):>5} {f'{loss:.3f}' if loss is not None else '-':>6}"
         )
     return "\n".join(rows)
 
@@ -166,6 +175,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         converged_at: float | None = None
         last_print = -1e9
         stop_reason = f"not converged after {options.timeout_s:g} s"
+        killed: set[str] = set()
         with trio.move_on_after(options.timeout_s):
             while True:
                 async with trio.open_nursery() as nursery:
@@ -187,14 +197,24 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 elif now - last_print >= 2.0:
                     print(_render(nodes, now - start, expected_peers), flush=True)
                     last_print = now
-                exited = [n.name for n in nodes if n.process.poll() is not None]
+                victim = nodes[-1]
+                if (
+                    options.kill_after_s is not None
+                    and converged_at is not None
+                    and victim.process.poll() is None
+                    and now - converged_at >= options.kill_after_s
+                ):
+                    print(f"killing {victim.name} (SIGKILL), as asked", flush=True)
+                    victim.process.send_signal(signal.SIGKILL)
+                    killed.add(victim.name)
+                exited = [n.name for n in nodes if n.process.poll() is not None and n.name not in killed]
                 if exited:
                     stop_reason = f"{', '.join(exited)} exited early"
                     break
                 if converged_at is None and all(n.converged_s is not None for n in nodes):
                     converged_at = now
                 trained = options.algorithm == "none" or all(
-                    (n.status.get("training") or {}).get("finished") for n in nodes[1:]
+                    (n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed
                 )
                 if converged_at is not None and trained and now - converged_at >= options.linger_s:
                     stop_reason = "converged" if options.algorithm == "none" else "trained"
@@ -206,9 +226,12 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     print(_render(nodes, wall_s, options.num_nodes), flush=True)
     print(f"stopped: {stop_reason}", flush=True)
     for node in nodes:
-        if node.process.returncode not in (0, None):
+        if node.process.returncode not in (0, None) and node.name not in killed:
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
-    return {**_report(nodes, wall_s), "stop_reason": stop_reason}
+    report = _report(nodes, wall_s)
+    for entry in report["nodes"]:
+        entry["killed"] = entry["name"] in killed
+    return {**report, "stop_reason": stop_reason}
 
 
 def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
@@ -267,6 +290,11 @@ def simulate(options: SimulationOptions) -> int:
     if options.report_path is not None:
         options.report_path.write_text(text + "\n")
         print(f"report written to {options.report_path}")
+    if options.plot_path is not None and options.algorithm != "none":
+        from node.plot import plot_report
+
+        plot_report(report, options.plot_path)
+        print(f"loss curves drawn in {options.plot_path}")
     status = "converged" if report["converged"] else "did NOT converge"
     slowest = max((n["state_converged_s"] for n in report["nodes"]), default=-1.0)
     print(f"{report['num_nodes']} nodes {status}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s")

@@ -147,8 +147,10 @@ class Pairing:
                 finally:
                     await stream.close()
         except (ProtocolError, trio.TooSlowError) as exc:
+            # Unreachable or silent now: it will not be our partner this round (a dead peer
+            # stays "live" until its TTL runs out; asking it again would only burn the bound).
             logger.debug("asking %s to pair: %s", peer_id, exc)
-            return "busy"
+            return "never"
         if reply["t"] == "accept":
             return "accept"
         return "busy" if reply.get("retry") is not False else "never"

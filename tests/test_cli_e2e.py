@@ -121,8 +121,9 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
 
 async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: dict[str, str]) -> None:
     report_path = short_tmp / "report.json"
+    plot_path = short_tmp / "loss.png"
     args = ["simulate", "--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--report", str(report_path)]
-    sim = await Proc.start(args, env)  # noloco is the default
+    sim = await Proc.start([*args, "--plot", str(plot_path)], env)  # noloco is the default
     assert await sim.finish() == 0, sim.output
     report = json.loads(report_path.read_text())
     assert report["algorithm"] == "noloco" and report["stop_reason"] == "trained"
@@ -133,6 +134,19 @@ async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: 
     # With 3 nodes one may be left out of a round; pairs still form and move bytes both ways.
     assert sum(n["rounds_with_partner"] for n in report["nodes"]) >= 2
     assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"]) > 0
+    assert plot_path.read_bytes().startswith(b"\x89PNG")
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
+
+
+async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, env: dict[str, str]) -> None:
+    report_path = short_tmp / "report.json"
+    args = ["simulate", "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--kill-after-s", "1"]
+    sim = await Proc.start([*args, "--report", str(report_path)], env)
+    assert await sim.finish() == 0, sim.output
+    report = json.loads(report_path.read_text())
+    victim, *survivors = report["nodes"][::-1]
+    assert victim["killed"] is True and victim["exit_code"] == -9
+    assert all(n["rounds"] == 4 and not n["killed"] and n["exit_code"] == 0 for n in survivors)
     await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
