@@ -113,7 +113,8 @@ class RunConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
     algorithm: str = "none"
-    """none (network only), noloco, or local (no averaging: the baseline)."""
+    """none (network only), noloco, diloco (average with every live peer: a baseline), or
+    local (no averaging: the other baseline)."""
     rounds: int = 20
     """Outer rounds to train, then the worker stops (the node stays on the network)."""
     steps_per_round: int = 50
@@ -133,7 +134,7 @@ class TrainingConfig:
     """torch threads of the worker."""
 
     def __post_init__(self) -> None:
-        _choice("training.algorithm", self.algorithm, ("none", "noloco", "local"))
+        _choice("training.algorithm", self.algorithm, ("none", "noloco", "diloco", "local"))
         _choice("training.model", self.model, MODEL_PRESETS)
         for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
             if getattr(self, name) < 1:

@@ -62,8 +62,8 @@ class SimulationOptions:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
-        if self.algorithm not in ("none", "noloco", "local"):
-            raise ConfigError(f"--algorithm: must be none, noloco or local, got {self.algorithm!r}")
+        if self.algorithm not in ("none", "noloco", "diloco", "local"):
+            raise ConfigError(f"--algorithm: must be none, noloco, diloco or local, got {self.algorithm!r}")
         if self.rounds < 1 or self.inner_steps < 1:
             raise ConfigError("--rounds and --inner-steps: must be >= 1")
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.config import TrainingConfig
+from node.diloco import DilocoExchange
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from protocol.data_channel import DataChannel
 from protocol.exchange import TensorReceiver
@@ -52,6 +53,7 @@ class TrainingService:
         self._listen_ip = listen_ip
         self.metrics = TrainingMetrics()
         self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S)
+        self._diloco = DilocoExchange(host, send_timeout_s=SEND_TIMEOUT_S)
         worker_config = WorkerConfig(
             model=config.model,
             algorithm=config.algorithm,
@@ -68,7 +70,7 @@ class TrainingService:
         receiver = TensorReceiver(
             self._host,
             self._peers,
-            self._pairing.accept_payload,
+            self._diloco.accept_payload if self._config.algorithm == "diloco" else self._pairing.accept_payload,
             max_payload_nbytes=MAX_PAYLOAD_NBYTES,
             timeout_s=SEND_TIMEOUT_S,
             channel=channel,
@@ -93,8 +95,8 @@ class TrainingService:
             "rounds_with_partner": m.rounds_with_partner,
             "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
             "loss_curve": m.loss_curve,
-            "bytes_sent": self._pairing.bytes_sent,
-            "bytes_received": self._pairing.bytes_received,
+            "bytes_sent": self._pairing.bytes_sent + self._diloco.bytes_sent,
+            "bytes_received": self._pairing.bytes_received + self._diloco.bytes_received,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
             "finished": m.finished,
@@ -114,6 +116,8 @@ class TrainingService:
                 message = await worker.receive()
                 if message["t"] == "round_done":
                     await self._outer(worker, message, outbox, inbox)
+                elif message["t"] == "accumulated":
+                    raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
                     self.metrics.rounds += 1
                     self.metrics.rounds_with_partner += int(message.get("used_peer") is True)
@@ -132,6 +136,10 @@ class TrainingService:
         self.metrics.loss_curve.append([float(done.get("step", 0)), float(done["val_loss"])])
         self.metrics.compute_s += float(done.get("compute_s", 0.0))
         started = trio.current_time()
+        if self._config.algorithm == "diloco":
+            await self._diloco_outer(worker, round_index, outbox, inbox)
+            self.metrics.sync_wait_s += trio.current_time() - started
+            return
         partner = None
         if self._config.algorithm == "noloco":
             partner = await self._pairing.find_partner(
@@ -145,3 +153,18 @@ class TrainingService:
             f"paired with {partner}" if partner else "alone",
         )
         await worker.send("outer_go", round=round_index, peer=partner is not None)
+
+    async def _diloco_outer(
+        self, worker: WorkerConnection, round_index: int, outbox: memoryview, inbox: memoryview
+    ) -> None:
+        payloads = await self._diloco.gather(
+            round_index, outbox, self._partners(), timeout_s=self._config.pair_timeout_s
+        )
+        for peer_id, data in sorted(payloads.items()):
+            inbox[:] = data
+            await worker.send("accumulate", round=round_index, key=peer_id)
+            reply = await worker.receive()
+            if reply["t"] != "accumulated":
+                raise WorkerGone(f"expected 'accumulated', got {reply['t']!r}")
+        logger.info("round %d: DiLoCo over %d nodes", round_index, len(payloads) + 1)
+        await worker.send("outer_go", round=round_index, key=self._host.peer_id)

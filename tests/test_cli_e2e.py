@@ -138,6 +138,21 @@ async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: 
     await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
+async def test_simulate_diloco_averages_with_everyone(short_tmp: Path, env: dict[str, str]) -> None:
+    report_path = short_tmp / "report.json"
+    args = ["simulate", "--nodes", "3", "--algorithm", "diloco", "--rounds", "3", "--inner-steps", "5"]
+    sim = await Proc.start([*args, "--report", str(report_path)], env)
+    assert await sim.finish() == 0, sim.output
+    report = json.loads(report_path.read_text())
+    assert report["algorithm"] == "diloco"
+    for node in report["nodes"]:
+        assert node["rounds"] == node["rounds_with_partner"] == 3
+        assert node["final_loss"] < node["loss_curve"][0][1]
+    sent = [n["bytes_sent"] for n in report["nodes"]]
+    assert len(set(sent)) == 1 and sent[0] > 0  # each node sent its payload to both others every round
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
+
+
 async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, env: dict[str, str]) -> None:
     report_path = short_tmp / "report.json"
     args = ["simulate", "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--kill-after-s", "1"]

@@ -115,3 +115,24 @@ def test_worker_config_is_validated() -> None:
         WorkerConfig(algorithm="allreduce")
     with pytest.raises(ValueError, match="node_index"):
         WorkerConfig(node_index=3, num_nodes=2)
+
+
+async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> None:
+    worker = await WorkerProcess.start(algorithm="diloco", rounds=1)
+    ready = await worker.receive()
+    outbox, inbox = attach(ready["outbox"]), attach(ready["inbox"])
+    nbytes = ready["payload_nbytes"]
+    assert (await worker.receive())["t"] == "round_done"
+    inbox.buf[:nbytes] = outbox.buf[:nbytes]  # a peer in lockstep: the same payload
+    await worker.send("accumulate", round=0, key="peer-b")
+    assert (await worker.receive()) == {"t": "accumulated", "v": 1, "round": 0, "ok": True}
+    inbox.buf[:nbytes] = b"\xff" * nbytes  # NaN everywhere: refused, not averaged in
+    await worker.send("accumulate", round=0, key="peer-c")
+    assert (await worker.receive())["ok"] is False
+    await worker.send("outer_go", round=0, key="peer-a")
+    assert (await worker.receive()) == {"t": "outer_done", "v": 1, "round": 0, "used_peer": True}
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+    outbox.close()
+    inbox.close()

@@ -9,6 +9,12 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      (the outbox now holds φ then Δ as float32)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer}
+
+    DiLoCo instead collects every live node's payload before its outer step:
+    {t: "accumulate", round, key}   ──▶ (the inbox holds the payload of peer ``key``)
+                                 ◀── {t: "accumulated", round, ok}
+    {t: "outer_go", round, key}     ──▶ (``key``: ours; Δs are averaged in key order, so
+                                        every node sums in the same order, bit for bit)
     {t: "stop"}                  ──▶ the worker exits 0
 
 No torch here: the daemon imports this module and never imports torch. Tensors move
@@ -24,8 +30,8 @@ VERSION = 1
 LENGTH_NBYTES = 4
 # Control messages are small; a larger frame means a bug or a corrupted pipe.
 MAX_FRAME_NBYTES = 1 << 20
-WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "error"})
-DAEMON_TYPES = frozenset({"outer_go", "stop"})
+WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "accumulated", "error"})
+DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop"})
 
 
 class IpcError(Exception):

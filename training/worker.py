@@ -20,8 +20,8 @@ import torch
 
 from training import data, ipc
 from training.models import GPT, GPTConfig, preset
-from training.noloco import OuterConfig
-from training.trainer import InnerConfig, Trainer
+from training.noloco import OuterConfig, outer_gradient
+from training.trainer import InnerConfig, PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
@@ -89,13 +89,28 @@ def _rounds(
                 compute_s=compute_s,
                 step=trainer.step,
             )
-            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
-            if command["t"] == "stop":
-                return
-            if command.get("round") != round_index:
-                raise ipc.IpcError(f"outer_go for round {command.get('round')} while at round {round_index}")
-            peer = in_view.clone() if command.get("peer") is True else None
-            used = trainer.apply_outer(peer, algorithm=config.algorithm)
+            collected: dict[str, list[torch.Tensor]] = {}
+            while True:
+                command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+                if command["t"] == "stop":
+                    return
+                if command.get("round") != round_index:
+                    raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
+                if command["t"] != "accumulate":
+                    break
+                try:  # DiLoCo: keep this peer's Δ (checked like any partner payload)
+                    collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
+                    ok = True
+                except PayloadRejected:
+                    ok = False
+                ipc.write_blocking(replies, "accumulated", round=round_index, ok=ok)
+            if config.algorithm == "diloco":
+                collected[str(command.get("key"))] = outer_gradient(trainer.phi, trainer.theta())
+                trainer.apply_diloco([collected[key] for key in sorted(collected)])
+                used = len(collected) > 1
+            else:
+                peer = in_view.clone() if command.get("peer") is True else None
+                used = trainer.apply_outer(peer, algorithm=config.algorithm)
             ipc.write_blocking(replies, "outer_done", round=round_index, used_peer=used)
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-ALGORITHMS = ("noloco", "local")
+ALGORITHMS = ("noloco", "diloco", "local")
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
 

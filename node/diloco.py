@@ -1,0 +1,75 @@
+"""The DiLoCo baseline over the network: every round, every live trainer's Δ, averaged.
+
+Unlike NoLoCo this needs everyone: at a round boundary we send our payload to every live
+trainer and wait (bounded) until each of them sent us theirs for the same round. Peers
+reach boundaries at different times, so payloads for later rounds are kept until we get
+there. The worker averages the Δs in peer-id order, so every node sums the same way and
+all hold the same slow weights. It is the comparison for NoLoCo, and what NoLoCo avoids:
+the wait grows with the slowest node, and the traffic with the number of nodes.
+"""
+
+import logging
+
+import trio
+
+from protocol.errors import ProtocolError
+from protocol.exchange import Payload, TensorSpec, send_tensors
+from protocol.host import Host
+
+logger = logging.getLogger(__name__)
+
+PAYLOAD_NAME = "diloco"
+# Rounds ahead of ours whose payloads we keep (a fast peer may be a little ahead).
+MAX_ROUNDS_AHEAD = 2
+
+
+class DilocoExchange:
+    def __init__(self, host: Host, *, send_timeout_s: float) -> None:
+        self._host = host
+        self._send_timeout_s = send_timeout_s
+        self._round = 0
+        self._received: dict[int, dict[str, bytes]] = {}
+        self._changed = trio.Event()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def accept_payload(self, peer_id: str, payload: Payload) -> None:
+        """TensorReceiver callback: keep payloads for this round and the next few."""
+        if not self._round <= payload.round <= self._round + MAX_ROUNDS_AHEAD:
+            logger.info("ignored %s's payload for round %d (we are at %d)", peer_id, payload.round, self._round)
+            return
+        if len(payload.specs) != 1 or payload.specs[0].name != PAYLOAD_NAME:
+            logger.info("ignored a payload from %s that is not a DiLoCo payload", peer_id)
+            return
+        self._received.setdefault(payload.round, {})[peer_id] = bytes(payload.data)
+        self.bytes_received += len(payload.data)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def gather(
+        self, round_index: int, outbox: memoryview, peers: list[str], *, timeout_s: float
+    ) -> dict[str, bytes]:
+        """Send ours to ``peers`` and collect theirs for this round (those that arrive in time)."""
+        self._round = round_index
+        for old in [r for r in self._received if r < round_index]:
+            del self._received[old]
+        payload = Payload(round_index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(outbox),)),), outbox)
+
+        async def send(peer_id: str) -> None:
+            try:
+                await send_tensors(self._host, peer_id, payload, timeout_s=self._send_timeout_s)
+                self.bytes_sent += len(outbox)
+            except ProtocolError as exc:
+                logger.info("DiLoCo round %d: sending to %s failed: %s", round_index, peer_id, exc)
+
+        with trio.move_on_after(timeout_s):
+            async with trio.open_nursery() as nursery:
+                for peer_id in peers:
+                    nursery.start_soon(send, peer_id)
+                while True:
+                    changed = self._changed
+                    if set(peers) <= set(self._received.get(round_index, {})):
+                        break
+                    await changed.wait()
+        got = self._received.pop(round_index, {})
+        return {peer: data for peer, data in got.items() if len(data) == len(outbox)}
