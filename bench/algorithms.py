@@ -1,0 +1,67 @@
+"""NoLoCo against its baselines (DiLoCo, local-only) at the same steps, on this machine.
+
+Runs ``swarmtrain simulate`` once per algorithm with the same nodes, model, rounds and H,
+and prints one JSON object: each algorithm's mean final validation loss over the nodes,
+its bytes sent per node, time waiting for peers, and NoLoCo's loss as a ratio of DiLoCo's
+(the issue's target: within 3%, i.e. ratio ≤ 1.03).
+
+    python bench/algorithms.py [--nodes 4] [--rounds 20] [--inner-steps 20] [--model micro]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(algorithm: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    report_path = workdir / f"{algorithm}.json"
+    command = [
+        *[sys.executable, "-m", "node", "simulate", "--nodes", str(args.nodes), "--algorithm", algorithm],
+        *["--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--model", args.model],
+        *["--timeout-s", str(args.timeout_s), "--report", str(report_path)],
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s + 120, check=False)
+    if result.returncode != 0:
+        return {"ok": False, "exit_code": result.returncode, "tail": result.stdout[-1500:]}
+    report = json.loads(report_path.read_text())
+    nodes = report["nodes"]
+    return {
+        "ok": True,
+        "final_loss_mean": round(statistics.mean(n["final_loss"] for n in nodes), 4),
+        "final_loss_range": [
+            round(min(n["final_loss"] for n in nodes), 4),
+            round(max(n["final_loss"] for n in nodes), 4),
+        ],
+        "first_loss_mean": round(statistics.mean(n["loss_curve"][0][1] for n in nodes), 4),
+        "bytes_sent_per_node": round(statistics.mean(n["bytes_sent"] for n in nodes)),
+        "sync_wait_s_mean": round(statistics.mean(n["sync_wait_s"] for n in nodes), 3),
+        "compute_s_mean": round(statistics.mean(n["compute_s"] for n in nodes), 3),
+        "rounds_with_partner": [n["rounds_with_partner"] for n in nodes],
+        "wall_s": report["wall_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--model", default="micro")
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-alg-") as tmp:
+        results = {alg: run(alg, args, Path(tmp)) for alg in ("noloco", "diloco", "local")}
+    out: dict[str, object] = {"bench": "algorithms", **vars(args), "results": results}
+    noloco, diloco = results["noloco"], results["diloco"]
+    if noloco.get("ok") and diloco.get("ok"):
+        ratio = float(noloco["final_loss_mean"]) / float(diloco["final_loss_mean"])  # type: ignore[arg-type]
+        out.update(noloco_vs_diloco_loss_ratio=round(ratio, 4), within_3_percent=ratio <= 1.03)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
