@@ -53,6 +53,9 @@ class _Round:
     outbox: memoryview
     inbox: memoryview
     partner: str | None = None
+    asking: str | None = None
+    early: bytes | None = None
+    """The payload of the peer we are asking, if it came before its "accept" reached us."""
     received: bool = False
     sent: trio.Event = field(default_factory=trio.Event)
 
@@ -79,15 +82,19 @@ class Pairing:
     async def accept_payload(self, peer_id: str, payload: Payload) -> None:
         """TensorReceiver callback: keep our partner's payload for this round, drop others."""
         current = self._round
-        if current is None or peer_id != current.partner or payload.round != current.index:
+        if current is None or payload.round != current.index or peer_id not in (current.partner, current.asking):
             logger.info("ignored a payload from %s for round %d (not our partner now)", peer_id, payload.round)
             return
         if len(payload.data) != len(current.inbox) or payload.specs[0].name != PAYLOAD_NAME:
             logger.warning("partner %s sent %d bytes, we expect %d", peer_id, len(payload.data), len(current.inbox))
             return
+        self.bytes_received += len(payload.data)
+        if peer_id != current.partner:
+            # The peer accepted and sent before its "accept" reached us: keep it for a moment.
+            current.early = bytes(payload.data)
+            return
         current.inbox[:] = payload.data
         current.received = True
-        self.bytes_received += len(payload.data)
         self._notify()
 
     async def find_partner(
@@ -123,11 +130,19 @@ class Pairing:
                 async with self._asking:
                     if current.partner is not None:
                         return
-                    answer = await self._ask(peer_id, current)
+                    current.asking = peer_id
+                    try:
+                        answer = await self._ask(peer_id, current)
+                    finally:
+                        current.asking = None
                     if answer == "accept":
                         current.partner = peer_id
+                        if current.early is not None:
+                            current.inbox[:] = current.early
+                            current.received = True
                         self._start_sending(current)
                         return
+                    current.early = None
                     if answer == "never":
                         order.remove(peer_id)
             changed = self._changed

@@ -81,3 +81,19 @@ async def test_a_peer_that_is_not_at_the_boundary_is_not_waited_for() -> None:
         (_, pairing), (other, _) = group
         outbox, inbox = memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES))
         assert await pairing.find_partner(0, outbox, inbox, [other.peer_id], timeout_s=1) is None
+
+
+async def test_a_payload_that_beats_its_accept_is_kept() -> None:
+    # The asked peer replies "accept" and starts sending at once; its payload can reach us
+    # before we have read the "accept". It must not be dropped as "not our partner".
+    from protocol.exchange import Payload, TensorSpec
+    from protocol.pairing import PAYLOAD_NAME, _Round
+
+    pairing = Pairing(None, send_timeout_s=1)  # type: ignore[arg-type]  # the host is not used here
+    inbox = memoryview(bytearray(NBYTES))
+    pairing._round = _Round(0, memoryview(bytearray(NBYTES)), inbox, asking="asked-peer")
+    data = bytes([7]) * NBYTES
+    await pairing.accept_payload("asked-peer", Payload(0, (TensorSpec(PAYLOAD_NAME, "uint8", (NBYTES,)),), data))
+    assert pairing._round.early == data and not pairing._round.received
+    await pairing.accept_payload("someone-else", Payload(0, (TensorSpec(PAYLOAD_NAME, "uint8", (NBYTES,)),), data))
+    assert bytes(inbox) == bytes(NBYTES)  # a stranger's payload is not taken
