@@ -10,6 +10,7 @@ simulator closed it or died.
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -19,6 +20,23 @@ import trio
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["node.cli", "node.daemon"])
+
+
+def start_forkserver(log_path: Path) -> None:
+    """Start the fork server now, its stderr going to ``log_path``, not the user's terminal.
+
+    If the simulator is interrupted while asking for a child, the fork server prints the
+    broken request's traceback: that belongs in a log, not on the screen after Ctrl-C.
+    """
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved_stderr = os.dup(2)
+    try:
+        os.dup2(log_fd, 2)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+        os.close(log_fd)
 
 
 def _child_main(argv: list[str], lifeline: multiprocessing.connection.Connection, log_path: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import trio
 
 from node import api
-from node.children import Child
+from node.children import Child, start_forkserver
 from node.errors import ApiError, ConfigError, NodeError
 
 MAX_NODES = 64
@@ -163,6 +163,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     start = trio.current_time()
     tty = sys.stdout.isatty()
     try:
+        start_forkserver(base / "forkserver.log")
         boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap"])
         nodes.append(boot)
         boot_status = await _wait_for_api(boot)

@@ -78,7 +78,12 @@ class WorkerConnection:
     def detach(self) -> None:
         for block in (self.outbox, self.inbox):
             if block is not None:
-                block.close()
+                try:
+                    block.close()
+                except BufferError:
+                    # A transfer still holds a view of it (the worker died mid-exchange): the
+                    # mapping goes with that view; the worker already unlinked the name.
+                    logger.info("shared block %s still in use; unmapped when the transfer ends", block.name)
         self.outbox = self.inbox = None
 
 

@@ -126,8 +126,13 @@ class TrainingService:
                 else:
                     raise WorkerGone(f"unexpected {message['t']!r} from the worker")
         finally:
-            outbox.release()
-            inbox.release()
+            for view in (outbox, inbox):
+                try:
+                    view.release()
+                except BufferError:
+                    # A send of this round still reads it (the worker died mid-exchange); the
+                    # view goes when that send ends. Never let this take the node down.
+                    logger.info("worker buffers still in use by a transfer; released later")
 
     async def _outer(
         self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -99,12 +100,18 @@ def env() -> dict[str, str]:
     return {**os.environ, "SWARMTRAIN_TEST_MARKER": uuid.uuid4().hex}
 
 
-async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: dict[str, str]) -> None:
-    report_path = short_tmp / "report.json"
-    sim = await Proc.start(["simulate", "--nodes", "4", "--algorithm", "none", "--report", str(report_path)], env)
+async def simulate(tmp: Path, env: dict[str, str], *args: str) -> tuple[dict[str, Any], str]:
+    """Run ``swarmtrain simulate ARGS --report``; it must exit 0 and leave no process behind."""
+    report_path = tmp / "report.json"
+    sim = await Proc.start(["simulate", *args, "--report", str(report_path)], env)
     assert await sim.finish() == 0, sim.output
-    assert "4 nodes converged" in sim.output
-    report = json.loads(report_path.read_text())
+    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
+    return json.loads(report_path.read_text()), sim.output
+
+
+async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: dict[str, str]) -> None:
+    report, output = await simulate(short_tmp, env, "--nodes", "4", "--algorithm", "none")
+    assert "4 nodes converged" in output
     assert isinstance(report["algorithm"], str)
     assert isinstance(report["wall_s"], float) and report["wall_s"] > 0
     assert len(report["nodes"]) == 4
@@ -116,16 +123,12 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
         assert node["exit_code"] == 0
     assert len({n["state_digest"] for n in report["nodes"]}) == 1
     assert len({n["peer_id"] for n in report["nodes"]}) == 4
-    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: dict[str, str]) -> None:
-    report_path = short_tmp / "report.json"
     plot_path = short_tmp / "loss.png"
-    args = ["simulate", "--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--report", str(report_path)]
-    sim = await Proc.start([*args, "--plot", str(plot_path)], env)  # noloco is the default
-    assert await sim.finish() == 0, sim.output
-    report = json.loads(report_path.read_text())
+    args = ("--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--plot", str(plot_path))
+    report, _ = await simulate(short_tmp, env, *args)  # noloco is the default
     assert report["algorithm"] == "noloco" and report["stop_reason"] == "trained"
     for node in report["nodes"]:
         assert node["rounds"] == 3 and len(node["loss_curve"]) == 3
@@ -135,34 +138,27 @@ async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: 
     assert sum(n["rounds_with_partner"] for n in report["nodes"]) >= 2
     assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"]) > 0
     assert plot_path.read_bytes().startswith(b"\x89PNG")
-    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_simulate_diloco_averages_with_everyone(short_tmp: Path, env: dict[str, str]) -> None:
-    report_path = short_tmp / "report.json"
-    args = ["simulate", "--nodes", "3", "--algorithm", "diloco", "--rounds", "3", "--inner-steps", "5"]
-    sim = await Proc.start([*args, "--report", str(report_path)], env)
-    assert await sim.finish() == 0, sim.output
-    report = json.loads(report_path.read_text())
+    report, _ = await simulate(
+        short_tmp, env, "--nodes", "3", "--algorithm", "diloco", "--rounds", "3", "--inner-steps", "5"
+    )
     assert report["algorithm"] == "diloco"
     for node in report["nodes"]:
         assert node["rounds"] == node["rounds_with_partner"] == 3
         assert node["final_loss"] < node["loss_curve"][0][1]
     sent = [n["bytes_sent"] for n in report["nodes"]]
     assert len(set(sent)) == 1 and sent[0] > 0  # each node sent its payload to both others every round
-    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, env: dict[str, str]) -> None:
-    report_path = short_tmp / "report.json"
-    args = ["simulate", "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--kill-after-s", "1"]
-    sim = await Proc.start([*args, "--report", str(report_path)], env)
-    assert await sim.finish() == 0, sim.output
-    report = json.loads(report_path.read_text())
+    report, _ = await simulate(
+        short_tmp, env, "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--kill-after-s", "1"
+    )
     victim, *survivors = report["nodes"][::-1]
     assert victim["killed"] is True and victim["exit_code"] == -9
     assert all(n["rounds"] == 4 and not n["killed"] and n["exit_code"] == 0 for n in survivors)
-    await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
 
 
 async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:
