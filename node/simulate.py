@@ -299,4 +299,12 @@ def simulate(options: SimulationOptions) -> int:
     status = "converged" if report["converged"] else "did NOT converge"
     slowest = max((n["state_converged_s"] for n in report["nodes"]), default=-1.0)
     print(f"{report['num_nodes']} nodes {status}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s")
+    trained = [n for n in report["nodes"] if n.get("loss_curve")]
+    if trained:
+        finals = [n["final_loss"] for n in trained]
+        firsts = [n["loss_curve"][0][1] for n in trained]
+        print(
+            f"{options.algorithm}: validation loss {max(firsts):.3f} after the first round -> "
+            f"{min(finals):.3f}-{max(finals):.3f} after {max(n['rounds'] for n in trained)} rounds"
+        )
     return 0 if report["converged"] else 1
