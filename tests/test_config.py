@@ -108,3 +108,13 @@ def test_the_shipped_example_config_is_valid() -> None:
     cfg = config.load(Path(__file__).parent.parent / "deploy" / "node.example.toml")
     assert cfg.network.listen == ["/ip4/0.0.0.0/tcp/7400"]
     assert cfg.state == config.StateConfig()  # the example documents the defaults
+
+
+def test_the_daemon_never_imports_torch() -> None:
+    # DESIGN.md: the daemon stays light; torch lives in the worker process only.
+    import subprocess
+    import sys
+
+    code = "import sys, node.cli, node.daemon, node.simulate; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
