@@ -46,7 +46,7 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
-    parser.add_argument("--algorithm", choices=("none", "noloco", "diloco", "local"), help="train with this algorithm")
+    parser.add_argument("--algorithm", choices=config_module.TRAINING_ALGORITHMS, help="train with this algorithm")
     parser.add_argument("--rounds", type=int, help="outer rounds to train")
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
     parser.add_argument("--model", help="model preset: micro, tiny, gpt-125m")
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--keep-data", action="store_true", help="keep the nodes' data dirs and logs")
     sim.add_argument(
         "--algorithm",
-        choices=("noloco", "diloco", "local", "none"),
+        choices=config_module.TRAINING_ALGORITHMS,
         default="noloco",
         help="noloco (default); diloco or local (baselines); none (network only)",
     )

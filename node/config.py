@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
-from training.worker_config import MODEL_PRESETS
+from training.worker_config import ALGORITHMS, MODEL_PRESETS
 
 T = typing.TypeVar("T")
 
 RUN_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROLES = ("trainer", "bootstrap", "observer")
+# "none" runs the node on the network only; the others train (training/worker_config.py).
+TRAINING_ALGORITHMS = ("none", *ALGORITHMS)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -134,7 +136,7 @@ class TrainingConfig:
     """torch threads of the worker."""
 
     def __post_init__(self) -> None:
-        _choice("training.algorithm", self.algorithm, ("none", "noloco", "diloco", "local"))
+        _choice("training.algorithm", self.algorithm, TRAINING_ALGORITHMS)
         _choice("training.model", self.model, MODEL_PRESETS)
         for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
             if getattr(self, name) < 1:

@@ -8,7 +8,9 @@ it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PD
 
 Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
-         "state_converged_s", "ready_s", "members", "state_digest", "exit_code"}]}
+         "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
+         and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
+         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s"}]}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
 first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
@@ -26,6 +28,7 @@ import trio
 
 from node import api
 from node.children import Child, start_forkserver
+from node.config import TRAINING_ALGORITHMS
 from node.errors import ApiError, ConfigError, NodeError
 
 MAX_NODES = 64
@@ -62,8 +65,8 @@ class SimulationOptions:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
-        if self.algorithm not in ("none", "noloco", "diloco", "local"):
-            raise ConfigError(f"--algorithm: must be none, noloco, diloco or local, got {self.algorithm!r}")
+        if self.algorithm not in TRAINING_ALGORITHMS:
+            raise ConfigError(f"--algorithm: must be one of {', '.join(TRAINING_ALGORITHMS)}, got {self.algorithm!r}")
         if self.rounds < 1 or self.inner_steps < 1:
             raise ConfigError("--rounds and --inner-steps: must be >= 1")
 
@@ -263,16 +266,16 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
     }
 
 
+TRAINING_REPORT_KEYS = (
+    *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
+    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s"),
+)
+
+
 def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
     if not training:
         return {}
-    keys = ("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received", "rounds")
-    return {
-        **{k: training.get(k) for k in keys},
-        "rounds_with_partner": training.get("rounds_with_partner"),
-        "compute_s": training.get("compute_s"),
-        "sync_wait_s": training.get("sync_wait_s"),
-    }
+    return {key: training.get(key) for key in TRAINING_REPORT_KEYS}
 
 
 def simulate(options: SimulationOptions) -> int:

@@ -73,7 +73,7 @@ class WorkerConnection:
 
     def attach(self, ready: dict[str, Any]) -> None:
         self.payload_nbytes = int(ready["payload_nbytes"])
-        self.outbox, self.inbox = _attach(str(ready["outbox"])), _attach(str(ready["inbox"]))
+        self.outbox, self.inbox = attach_block(str(ready["outbox"])), attach_block(str(ready["inbox"]))
 
     def detach(self) -> None:
         for block in (self.outbox, self.inbox):
@@ -87,7 +87,8 @@ class WorkerConnection:
         self.outbox = self.inbox = None
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
+def attach_block(name: str) -> shared_memory.SharedMemory:
+    """Map a shared-memory block the worker created, without taking over its removal."""
     block = shared_memory.SharedMemory(name=name)
     # Python < 3.13 registers attached blocks with our resource tracker, which would unlink
     # them when the daemon exits; the worker created them and removes them.
