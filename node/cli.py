@@ -18,6 +18,7 @@ import trio
 from node import config as config_module
 from node import logs
 from node.errors import ConfigError, NodeError
+from training.worker_config import COMPRESSIONS
 
 if TYPE_CHECKING:
     from node.daemon import Daemon
@@ -44,12 +45,14 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--device", choices=config_module.DEVICES)
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
+    parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
     parser.add_argument("--algorithm", choices=config_module.TRAINING_ALGORITHMS, help="train with this algorithm")
     parser.add_argument("--rounds", type=int, help="outer rounds to train")
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
     parser.add_argument("--model", help="model preset: micro, tiny, gpt-125m")
+    parser.add_argument("--compression", choices=COMPRESSIONS, help="outer payload encoding (default none)")
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
@@ -61,6 +64,7 @@ _FLAG_TO_FIELD = {
     "announce": "network.announce",
     "bootstrap": "network.bootstrap",
     "mdns": "network.mdns",
+    "upload_limit_mbps": "network.upload_limit_mbps",
     "new_run": "run.new_run",
     "run": "run.run_id",
     "role": "role",
@@ -72,6 +76,7 @@ _FLAG_TO_FIELD = {
     "rounds": "training.rounds",
     "inner_steps": "training.steps_per_round",
     "model": "training.model",
+    "compression": "training.compression",
 }
 
 
@@ -111,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="run a whole network of nodes on this machine")
     sim.add_argument("--nodes", type=int, default=4, help="number of nodes besides the bootstrap (default 4)")
     sim.add_argument("--report", type=Path, help="write the JSON report here")
-    sim.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long (default 120)")
+    sim.add_argument(
+        "--timeout-s", type=float, help="give up after this long (default 120 for --algorithm none, else 3600)"
+    )
     sim.add_argument("--linger-s", type=float, default=0.0, help="keep running this long after convergence")
     sim.add_argument("--keep-data", action="store_true", help="keep the nodes' data dirs and logs")
     sim.add_argument(
@@ -122,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
-    sim.add_argument("--model", default="micro", help="model preset (default micro)")
+    sim.add_argument("--model", default="tiny", help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m")
+    sim.add_argument(
+        "--compression", choices=COMPRESSIONS, default="none", help="outer payload encoding (default none)"
+    )
     sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     return parser
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     rounds=args.rounds,
                     inner_steps=args.inner_steps,
                     model=args.model,
+                    compression=args.compression,
                     plot_path=args.plot,
                     kill_after_s=args.kill_after_s,
                 )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
-from training.worker_config import ALGORITHMS, MODEL_PRESETS
+from training.worker_config import ALGORITHMS, COMPRESSIONS, MODEL_PRESETS
 
 T = typing.TypeVar("T")
 
@@ -46,6 +46,8 @@ class NetworkConfig:
     """Give up on a dial after this long."""
     mdns: bool = False
     """Also find peers on the local network by mDNS (multicasts on every interface)."""
+    upload_limit_mbps: float = 0.0
+    """Cap on tensor uploads in megabits per second (0: no cap); control traffic is not capped."""
 
     def __post_init__(self) -> None:
         from protocol.host import check_listen_addr, parse_dial_addr
@@ -57,6 +59,8 @@ class NetworkConfig:
         for addr in self.bootstrap:
             _wrap("network.bootstrap", parse_dial_addr, addr)
         _positive("network.dial_timeout_s", self.dial_timeout_s)
+        if not 0 <= self.upload_limit_mbps < 1e9:  # also refuses NaN
+            raise ConfigError(f"network.upload_limit_mbps: must be >= 0 (0: no cap), got {self.upload_limit_mbps:g}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +129,9 @@ class TrainingConfig:
     """Model preset (training/models.py)."""
     lr: float = 1e-3
     """Inner AdamW learning rate."""
+    compression: str = "none"
+    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes). Every
+    node of a run must use the same (a partner of another size is refused)."""
     batch_size: int = 8
     shard_index: int = 0
     """Which slice of the corpus this node trains on ..."""
@@ -138,6 +145,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _choice("training.algorithm", self.algorithm, TRAINING_ALGORITHMS)
         _choice("training.model", self.model, MODEL_PRESETS)
+        _choice("training.compression", self.compression, COMPRESSIONS)
         for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name}: must be >= 1, got {getattr(self, name)}")

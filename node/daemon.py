@@ -114,6 +114,8 @@ class Daemon:
                         self.config.training,
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
+                        upload_limit_mbps=self.config.network.upload_limit_mbps,
+                        checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),
                     )
                     await nursery.start(self.training.run)
             self.discovery = Discovery(

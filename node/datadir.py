@@ -4,7 +4,8 @@
 ├── identity.key       ed25519 seed, 0600 (node/identity.py)
 ├── lock               held (flock) by the running daemon: one daemon per data dir
 ├── api.sock           control API (node/api.py)
-└── runs/<run id>.crdt the run's document, rewritten atomically after changes
+├── runs/<run id>.crdt the run's document, rewritten atomically after changes
+└── runs/<run id>.ckpt the worker's training state, saved after every outer step
 """
 
 import fcntl
@@ -50,6 +51,10 @@ class DataDir:
 
     def run_file(self, run_id: str) -> Path:
         return self.path / "runs" / f"{run_id}.crdt"
+
+    def checkpoint_file(self, run_id: str) -> Path:
+        """The worker's training state in this run (training/checkpoint.py)."""
+        return self.path / "runs" / f"{run_id}.ckpt"
 
     def load_run(self, run_id: str) -> bytes | None:
         try:

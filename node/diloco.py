@@ -15,6 +15,7 @@ import trio
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorSpec, send_tensors
 from protocol.host import Host
+from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,10 @@ MAX_ROUNDS_AHEAD = 2
 
 
 class DilocoExchange:
-    def __init__(self, host: Host, *, send_timeout_s: float) -> None:
+    def __init__(self, host: Host, *, send_timeout_s: float, upload_limit: RateLimit = UNLIMITED) -> None:
         self._host = host
         self._send_timeout_s = send_timeout_s
+        self._upload_limit = upload_limit
         self._round = 0
         self._received: dict[int, dict[str, bytes]] = {}
         self._changed = trio.Event()
@@ -57,7 +59,9 @@ class DilocoExchange:
 
         async def send(peer_id: str) -> None:
             try:
-                await send_tensors(self._host, peer_id, payload, timeout_s=self._send_timeout_s)
+                await send_tensors(
+                    self._host, peer_id, payload, timeout_s=self._send_timeout_s, limit=self._upload_limit
+                )
                 self.bytes_sent += len(outbox)
             except ProtocolError as exc:
                 logger.info("DiLoCo round %d: sending to %s failed: %s", round_index, peer_id, exc)

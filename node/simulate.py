@@ -10,7 +10,8 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
          and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
-         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s"}]}
+         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s",
+         "train_wall_s", "utilization" (compute_s / train_wall_s)}]}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
 first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
@@ -33,6 +34,8 @@ from node.errors import ApiError, ConfigError, NodeError
 
 MAX_NODES = 64
 POLL_INTERVAL_S = 0.5
+CONVERGE_TIMEOUT_S = 120.0
+TRAIN_TIMEOUT_S = 3600.0
 STOP_GRACE_S = 10.0
 API_WAIT_S = 60.0
 
@@ -42,8 +45,9 @@ class SimulationOptions:
     num_nodes: int = 4
     """Daemons besides the bootstrap node."""
     report_path: Path | None = None
-    timeout_s: float = 120.0
-    """Give up (exit 1) if the network has not converged by then."""
+    timeout_s: float | None = None
+    """Give up (exit 1) if the network has not converged (and trained) by then; default
+    ``CONVERGE_TIMEOUT_S`` for network-only runs, ``TRAIN_TIMEOUT_S`` when training."""
     linger_s: float = 0.0
     """Keep the network running this long after it converged."""
     keep_data: bool = False
@@ -52,7 +56,8 @@ class SimulationOptions:
     """Train with noloco or local; none only forms the network."""
     rounds: int = 10
     inner_steps: int = 10
-    model: str = "micro"
+    model: str = "tiny"
+    compression: str = "none"
     plot_path: Path | None = None
     """Draw the loss curves of all nodes into this PNG."""
     kill_after_s: float | None = None
@@ -61,6 +66,8 @@ class SimulationOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
             raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
+        if self.timeout_s is None:
+            self.timeout_s = CONVERGE_TIMEOUT_S if self.algorithm == "none" else TRAIN_TIMEOUT_S
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
@@ -75,7 +82,7 @@ class SimulationOptions:
             return []
         return [
             *["--algorithm", self.algorithm, "--rounds", str(self.rounds)],
-            *["--inner-steps", str(self.inner_steps), "--model", self.model],
+            *["--inner-steps", str(self.inner_steps), "--model", self.model, "--compression", self.compression],
             *["--data-shard", f"{index}/{self.num_nodes}"],
         ]
 
@@ -178,7 +185,8 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
         last_print = -1e9
-        stop_reason = f"not converged after {options.timeout_s:g} s"
+        assert options.timeout_s is not None
+        stop_reason = f"not {'converged' if options.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
         killed: set[str] = set()
         with trio.move_on_after(options.timeout_s):
             while True:
@@ -268,7 +276,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
-    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s"),
+    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
 )
 
 

@@ -3,7 +3,7 @@
 The worker (training/worker.py) is a child process that trains and never touches the
 network. A crash never takes the node off the network: the supervisor logs the worker's
 exit, waits (1 s, doubling to 60 s while it keeps crashing) and starts a new one, which
-resumes from the slow weights of the run (today: from the start; checkpoints come later).
+resumes from its checkpoint (saved after every outer step) at the next round.
 """
 
 import json
@@ -41,6 +41,7 @@ class WorkerConnection:
         self.outbox: shared_memory.SharedMemory | None = None
         self.inbox: shared_memory.SharedMemory | None = None
         self.payload_nbytes = 0
+        self.start_round = 0
 
     async def receive(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -73,6 +74,7 @@ class WorkerConnection:
 
     def attach(self, ready: dict[str, Any]) -> None:
         self.payload_nbytes = int(ready["payload_nbytes"])
+        self.start_round = max(0, int(ready.get("round", 0)))
         self.outbox, self.inbox = attach_block(str(ready["outbox"])), attach_block(str(ready["inbox"]))
 
     def detach(self) -> None:

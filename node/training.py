@@ -21,6 +21,7 @@ from protocol.exchange import TensorReceiver
 from protocol.host import Host
 from protocol.pairing import Pairing
 from protocol.peers import PeerTable
+from protocol.ratelimit import RateLimit
 from training.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -40,28 +41,47 @@ class TrainingMetrics:
     rounds: int = 0
     rounds_with_partner: int = 0
     compute_s: float = 0.0
+    """Inner steps and payload export, as the worker timed them."""
     sync_wait_s: float = 0.0
+    """From a round's end until the worker was told to apply its outer step."""
+    train_wall_s: float = 0.0
+    """From the first worker's "ready" to the last outer step: compute_s / train_wall_s is
+    the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""
     finished: bool = False
     worker_starts: int = 0
 
 
 class TrainingService:
-    def __init__(self, host: Host, peers: PeerTable, config: TrainingConfig, *, listen_ip: str, log_path: str) -> None:
+    def __init__(
+        self,
+        host: Host,
+        peers: PeerTable,
+        config: TrainingConfig,
+        *,
+        listen_ip: str,
+        log_path: str,
+        upload_limit_mbps: float = 0.0,
+        checkpoint_path: str | None = None,
+    ) -> None:
         self._host = host
         self._peers = peers
         self._config = config
         self._listen_ip = listen_ip
         self.metrics = TrainingMetrics()
-        self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S)
-        self._diloco = DilocoExchange(host, send_timeout_s=SEND_TIMEOUT_S)
+        self._first_ready: float | None = None
+        upload_limit = RateLimit.from_mbps(upload_limit_mbps)  # one cap for every send of this node
+        self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
+        self._diloco = DilocoExchange(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
         worker_config = WorkerConfig(
             model=config.model,
             algorithm=config.algorithm,
+            compression=config.compression,
             node_index=config.shard_index,
             num_nodes=config.num_shards,
             rounds=config.rounds,
             inner={"steps_per_round": config.steps_per_round, "lr": config.lr, "batch_size": config.batch_size},
             threads=config.threads,
+            checkpoint_path=checkpoint_path,
         )
         self._supervisor = Supervisor(worker_config, self._session, log_path=log_path)
 
@@ -99,6 +119,8 @@ class TrainingService:
             "bytes_received": self._pairing.bytes_received + self._diloco.bytes_received,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
+            "train_wall_s": round(m.train_wall_s, 3),
+            "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,
             "finished": m.finished,
             "worker_starts": self._supervisor.num_starts,
         }
@@ -109,6 +131,13 @@ class TrainingService:
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
         assert worker.outbox.buf is not None and worker.inbox.buf is not None
+        if self._first_ready is None:
+            self._first_ready = trio.current_time()
+        # A restarted worker resumes from its checkpoint: rounds after it are done again.
+        self.metrics.rounds = worker.start_round
+        del self.metrics.loss_curve[worker.start_round :]
+        if worker.start_round >= self._config.rounds:
+            return
         outbox = worker.outbox.buf[: worker.payload_nbytes]
         inbox = worker.inbox.buf[: worker.payload_nbytes]
         try:
@@ -120,6 +149,7 @@ class TrainingService:
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
                     self.metrics.rounds += 1
+                    self.metrics.train_wall_s = trio.current_time() - self._first_ready
                     self.metrics.rounds_with_partner += int(message.get("used_peer") is True)
                     if self.metrics.rounds >= self._config.rounds:
                         return

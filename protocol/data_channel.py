@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from protocol.errors import BadMessage, ProtocolError
+from protocol.ratelimit import UNLIMITED, RateLimit
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -117,8 +118,8 @@ async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
         raise ProtocolError(f"receive failed: {exc}") from exc
 
 
-async def send(ip: str, port: int, token: bytes, data: memoryview) -> None:
-    """The sending side: connect, present the token, write the payload, close."""
+async def send(ip: str, port: int, token: bytes, data: memoryview, limit: RateLimit = UNLIMITED) -> None:
+    """The sending side: connect, present the token, write the payload (within ``limit``), close."""
     try:
         stream = await trio.open_tcp_stream(ip, port)
     except OSError as exc:
@@ -127,6 +128,7 @@ async def send(ip: str, port: int, token: bytes, data: memoryview) -> None:
         try:
             await stream.send_all(token)
             for offset in range(0, len(data), CHUNK_NBYTES):
+                await limit.take(min(CHUNK_NBYTES, len(data) - offset))
                 await stream.send_all(data[offset : offset + CHUNK_NBYTES])
             await stream.send_eof()
         except (trio.BrokenResourceError, OSError) as exc:

@@ -38,6 +38,7 @@ from protocol.data_channel import DataChannel
 from protocol.errors import BadMessage, ProtocolError, StreamError
 from protocol.host import Host, Stream
 from protocol.peers import PeerTable
+from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +131,19 @@ def _refusal(reply: dict[str, object], peer_id: str) -> ProtocolError:
     return ProtocolError(f"{peer_id} refused the tensors: {str(reason)[:200] if isinstance(reason, str) else '?'}")
 
 
-async def send_tensors(host: Host, peer_id: str, payload: Payload, *, timeout_s: float, direct: bool = True) -> None:
+async def send_tensors(
+    host: Host,
+    peer_id: str,
+    payload: Payload,
+    *,
+    timeout_s: float,
+    direct: bool = True,
+    limit: RateLimit = UNLIMITED,
+) -> None:
     """Send ``payload`` to ``peer_id``; raises ``ProtocolError`` if it fails or is refused.
 
     ``direct``: offer the direct data channel (used only when the peer is reached directly,
-    not through a relay, and it has one).
+    not through a relay, and it has one). ``limit``: the node's upload cap.
     """
     data = memoryview(payload.data).cast("B")
     if len(data) != sum(s.nbytes for s in payload.specs):
@@ -158,9 +167,10 @@ async def send_tensors(host: Host, peer_id: str, payload: Payload, *, timeout_s:
                 raise _refusal(reply, peer_id)
             port = wire.get_int(reply, "port", lo=0, hi=65535)
             if port and peer_ip:
-                await data_channel.send(peer_ip, port, wire.get_bytes(reply, "token", max_nbytes=64), data)
+                await data_channel.send(peer_ip, port, wire.get_bytes(reply, "token", max_nbytes=64), data, limit)
             else:
                 for offset in range(0, len(data), CHUNK_NBYTES):
+                    await limit.take(min(CHUNK_NBYTES, len(data) - offset))
                     await stream.write(bytes(data[offset : offset + CHUNK_NBYTES]))
             ack = await wire.receive(stream, msg_types=_ACK, version=VERSION, max_nbytes=4096)
         finally:

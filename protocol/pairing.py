@@ -32,6 +32,7 @@ from protocol import wire
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorSpec, send_tensors
 from protocol.host import Host, Stream
+from protocol.ratelimit import UNLIMITED, RateLimit
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -61,9 +62,10 @@ class _Round:
 
 
 class Pairing:
-    def __init__(self, host: Host, *, send_timeout_s: float) -> None:
+    def __init__(self, host: Host, *, send_timeout_s: float, upload_limit: RateLimit = UNLIMITED) -> None:
         self._host = host
         self._send_timeout_s = send_timeout_s
+        self._upload_limit = upload_limit
         self._round: _Round | None = None
         self._last_round = -1
         self._asking = trio.Lock()
@@ -206,7 +208,7 @@ class Pairing:
     async def _send(self, partner: str, current: _Round) -> None:
         payload = Payload(current.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(current.outbox),)),), current.outbox)
         try:
-            await send_tensors(self._host, partner, payload, timeout_s=self._send_timeout_s)
+            await send_tensors(self._host, partner, payload, timeout_s=self._send_timeout_s, limit=self._upload_limit)
             self.bytes_sent += len(current.outbox)
         except ProtocolError as exc:
             logger.info("sending round %d payload to %s failed: %s", current.index, partner, exc)

@@ -127,7 +127,7 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
 
 async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: dict[str, str]) -> None:
     plot_path = short_tmp / "loss.png"
-    args = ("--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--plot", str(plot_path))
+    args = ("--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--model", "micro", "--plot", str(plot_path))
     report, _ = await simulate(short_tmp, env, *args)  # noloco is the default
     assert report["algorithm"] == "noloco" and report["stop_reason"] == "trained"
     for node in report["nodes"]:
@@ -142,7 +142,18 @@ async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: 
 
 async def test_simulate_diloco_averages_with_everyone(short_tmp: Path, env: dict[str, str]) -> None:
     report, _ = await simulate(
-        short_tmp, env, "--nodes", "3", "--algorithm", "diloco", "--rounds", "3", "--inner-steps", "5"
+        short_tmp,
+        env,
+        "--nodes",
+        "3",
+        "--algorithm",
+        "diloco",
+        "--rounds",
+        "3",
+        "--inner-steps",
+        "5",
+        "--model",
+        "micro",
     )
     assert report["algorithm"] == "diloco"
     for node in report["nodes"]:
@@ -152,9 +163,20 @@ async def test_simulate_diloco_averages_with_everyone(short_tmp: Path, env: dict
     assert len(set(sent)) == 1 and sent[0] > 0  # each node sent its payload to both others every round
 
 
+async def test_two_nodes_pair_every_round_with_int8_payloads(short_tmp: Path, env: dict[str, str]) -> None:
+    args = ("--nodes", "2", "--rounds", "3", "--inner-steps", "5", "--model", "micro", "--compression", "int8")
+    report, _ = await simulate(short_tmp, env, *args)
+    for node in report["nodes"]:
+        # Every payload was accepted (a refused one means a round alone), and learning went on.
+        assert node["rounds"] == node["rounds_with_partner"] == 3
+        assert node["final_loss"] < node["loss_curve"][0][1]
+    # micro: 2 × 120,576 values as int8 plus a scale per 256 → ≈ 0.25 MB per payload, not ≈ 0.96 MB.
+    assert all(0 < n["bytes_sent"] < 3 * 300_000 for n in report["nodes"])
+
+
 async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, env: dict[str, str]) -> None:
     report, _ = await simulate(
-        short_tmp, env, "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--kill-after-s", "1"
+        short_tmp, env, "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--model", "micro", "--kill-after-s", "1"
     )
     victim, *survivors = report["nodes"][::-1]
     assert victim["killed"] is True and victim["exit_code"] == -9

@@ -34,6 +34,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
+        ({"network.upload_limit_mbps": -1.0}, "network.upload_limit_mbps"),
+        ({"training.compression": "zip"}, "training.compression"),
         ({"network.dial_timeout_s": -1}, "network.dial_timeout_s"),
         ({"network.listen": "/ip4/1.2.3.4/tcp/1"}, "network.listen"),
         ({"network.listen": ["/dns/x/tcp/1"]}, "network.listen"),

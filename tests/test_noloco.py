@@ -40,6 +40,23 @@ def test_gamma_term_preserves_the_pair_mean_of_phi_minus_momentum_drift() -> Non
     torch.testing.assert_close((new[0] + new[1]) / 2, expected, rtol=0, atol=1e-12)
 
 
+def test_with_compressed_payloads_the_pair_mean_moves_by_the_shared_averages() -> None:
+    # Each side steps from its exact φ but averages what was sent (here: rounded to 0.25).
+    def coarse(t: torch.Tensor) -> torch.Tensor:
+        return torch.round(t * 4) / 4
+
+    sent = [PeerTensors(phi=[coarse(PHI[i])], delta=[coarse(PHI[i] - THETA[i])]) for i in (0, 1)]
+    steps = [noloco_step([PHI[i]], [THETA[i]], [MOMENTUM[i]], sent[1 - i], CONFIG, sent=sent[i]) for i in (0, 1)]
+    mean_delta = (sent[0].delta[0] + sent[1].delta[0]) / 2
+    for i in (0, 1):  # both sides used the same mean Δ and opposite pulls
+        pull = sent[i].phi[0] - (sent[0].phi[0] + sent[1].phi[0]) / 2
+        expected_m = CONFIG.alpha * MOMENTUM[i] - CONFIG.beta * mean_delta - CONFIG.gamma * pull
+        torch.testing.assert_close(steps[i][1][0], expected_m, rtol=0, atol=1e-12)
+        torch.testing.assert_close(steps[i][0][0], PHI[i] + expected_m, rtol=0, atol=1e-12)
+    expected_mean = (PHI[0] + PHI[1]) / 2 + CONFIG.alpha * (MOMENTUM[0] + MOMENTUM[1]) / 2 - CONFIG.beta * mean_delta
+    torch.testing.assert_close((steps[0][0][0] + steps[1][0][0]) / 2, expected_mean, rtol=0, atol=1e-12)
+
+
 def peer_of(j: int) -> PeerTensors:
     return PeerTensors(phi=[PHI[j]], delta=outer_gradient([PHI[j]], [THETA[j]]))
 

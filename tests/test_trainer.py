@@ -12,11 +12,16 @@ SMALL = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2)
 TOKENS = data.encode(data.embedded_corpus()[:200_000])
 
 
-def trainer(node_index: int, num_nodes: int = 2, *, steps: int = 10) -> Trainer:
+def trainer(node_index: int, num_nodes: int = 2, *, steps: int = 10, compression: str = "none") -> Trainer:
     torch.manual_seed(0)  # the same initial weights on every node, as a run's checkpoint would give
     shard = data.make_shard(TOKENS, context_len=SMALL.context_len, node_index=node_index, num_nodes=num_nodes)
     return Trainer(
-        GPT(SMALL), shard, inner=InnerConfig(steps_per_round=steps, lr=3e-3), outer=OuterConfig(), seed=node_index
+        GPT(SMALL),
+        shard,
+        inner=InnerConfig(steps_per_round=steps, lr=3e-3),
+        outer=OuterConfig(),
+        seed=node_index,
+        compression=compression,
     )
 
 
@@ -29,8 +34,9 @@ def test_local_training_lowers_validation_loss() -> None:
     assert t.val_loss() < before - 1.0
 
 
-def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite() -> None:
-    a, b = trainer(0), trainer(1)
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite(compression: str) -> None:
+    a, b = trainer(0, compression=compression), trainer(1, compression=compression)
     before = a.val_loss()
     for _ in range(4):
         a.inner_steps()
@@ -38,7 +44,8 @@ def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite() -> N
         pa, pb = a.outer_payload(), b.outer_payload()
         assert a.apply_outer(pb) and b.apply_outer(pa)
     assert a.val_loss() < before - 1.0
-    # Two nodes that always pair hold the same slow weights (heavy-ball DiLoCo).
+    # Two nodes that always pair hold the same slow weights (heavy-ball DiLoCo); compressed
+    # too, since both sides average the same dequantized values.
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
 
 
@@ -49,13 +56,13 @@ def test_a_bad_partner_payload_is_rejected_and_the_round_goes_on_alone(damage: s
     b.inner_steps()
     payload = b.outer_payload()
     if damage == "nan":
-        payload[123] = float("nan")
+        payload.view(torch.float32)[123] = float("nan")
     elif damage == "inf":
-        payload[-1] = float("inf")
+        payload.view(torch.float32)[-1] = float("inf")
     elif damage == "short":
         payload = payload[:-1]
     else:
-        payload = payload.double()
+        payload = payload.view(torch.float32).double()
     with pytest.raises(PayloadRejected):
         a.parse_payload(payload)
     reference = trainer(0)
@@ -72,3 +79,32 @@ def test_payload_round_trips_into_our_shapes() -> None:
     peer = a.parse_payload(a.outer_payload())
     assert [p.shape for p in peer.phi] == [p.shape for p in a.phi]
     assert all(torch.equal(x, y) for x, y in zip(peer.phi, a.phi, strict=True))
+
+
+def test_int8_payloads_are_about_four_times_smaller_and_close_to_float32() -> None:
+    exact, small = trainer(0), trainer(0, compression="int8")
+    assert exact.payload_nbytes / small.payload_nbytes > 3.8
+    exact.inner_steps()
+    small.inner_steps()
+    received = small.parse_payload(small.outer_payload())
+    for ours, theirs in zip(exact.phi, received.phi, strict=True):
+        assert float((ours - theirs).abs().max()) <= float(ours.abs().max()) / 254 + 1e-7
+
+
+@pytest.mark.parametrize("damage", ["nan-scale", "negative-scale", "float32-sized"])
+def test_a_bad_int8_payload_is_rejected(damage: str) -> None:
+    a, b = trainer(0, compression="int8"), trainer(1, compression="int8")
+    b.inner_steps()
+    payload = b.outer_payload()
+    scales = payload[b.payload_numel :].clone().view(torch.float32)
+    if damage == "float32-sized":  # a partner that did not compress: the sizes differ
+        payload = trainer(1).outer_payload()
+    else:
+        scales[0] = float("nan") if damage == "nan-scale" else -1.0
+        payload[b.payload_numel :] = scales.view(torch.uint8)
+    with pytest.raises(PayloadRejected):
+        a.parse_payload(payload)
+    a.inner_steps()
+    a.outer_payload()
+    assert a.apply_outer(payload) is False
+    assert all(torch.isfinite(p).all() for p in a.model.parameters())

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,40 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
         assert await worker.process.wait() == 0
     outbox.close()
     inbox.close()
+
+
+async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    worker = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path))
+    assert (await receive(worker))["round"] == 0
+    await receive(worker)
+    await worker.send("outer_go", round=0, peer=False)
+    await receive(worker)  # outer_done: round 0 is saved
+    lost = await receive(worker)
+    assert lost["round"] == 1
+    worker.process.kill()  # mid-round 1: that round is done again
+    await worker.process.wait()
+
+    again = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path))
+    assert (await receive(again))["round"] == 1
+    redone = await receive(again)
+    # The same state and the same batches: round 1 comes out the same, bit for bit.
+    assert (redone["round"], redone["step"], redone["val_loss"]) == (1, lost["step"], lost["val_loss"])
+    await again.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await again.process.wait() == 0
+
+
+def kept_aside(folder: Path) -> list[bytes]:
+    return [p.read_bytes() for p in folder.glob("run.ckpt.unusable-*")]
+
+
+async def test_a_damaged_checkpoint_is_kept_aside_and_training_starts_over(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    path.write_bytes(b"SWTCKPT1 but then garbage")
+    worker = await start_worker(algorithm="local", rounds=1, checkpoint_path=str(path))
+    assert (await receive(worker))["round"] == 0
+    assert kept_aside(tmp_path) == [b"SWTCKPT1 but then garbage"]
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0

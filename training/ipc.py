@@ -3,10 +3,11 @@
 Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v, ...}):
 
     daemon                                             worker
-                                 ◀── {t: "ready", payload_nbytes, outbox, inbox}
-                                     (names of two shared-memory blocks of that size)
+                                 ◀── {t: "ready", payload_nbytes, outbox, inbox, round}
+                                     (names of two shared-memory blocks of that size;
+                                     round: where it resumes, 0 without a checkpoint)
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s}
-                                     (the outbox now holds φ then Δ as float32)
+                                     (the outbox now holds φ then Δ, encoded as in training/trainer.py)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer}
 

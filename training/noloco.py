@@ -10,6 +10,11 @@ NoLoCo, node i paired with peer j (a group of two):
     m_i ← α·m_i − β·mean(Δ_i, Δ_j) − γ·(φ_i − mean(φ_i, φ_j))
     φ_i ← φ_i + m_i ;  θ_i ← φ_i
 
+With a compressed payload the partner averages what it received, not our exact values;
+``sent`` (what our partner saw of us) then replaces our φ and Δ inside both means and the
+γ term, so the two sides compute the same means, while each keeps its own exact φ as the
+base it steps from. The pair's mean is still preserved exactly (the γ terms cancel).
+
 Without a partner this round (none free, or its payload was refused) the mean is over
 ourselves alone and the γ term is skipped. With two nodes that started from the same φ,
 φ_i − mean(φ_i, φ_j) is exactly zero (2φ/2 = φ in floating point), so NoLoCo reduces
@@ -59,9 +64,18 @@ def _mean2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def noloco_step(
-    phi: Params, theta: Params, momentum: Params, peer: PeerTensors | None, config: OuterConfig
+    phi: Params,
+    theta: Params,
+    momentum: Params,
+    peer: PeerTensors | None,
+    config: OuterConfig,
+    *,
+    sent: PeerTensors | None = None,
 ) -> tuple[Params, Params]:
-    """One NoLoCo outer step for node i; returns (new φ, new m). θ restarts from the new φ."""
+    """One NoLoCo outer step for node i; returns (new φ, new m). θ restarts from the new φ.
+
+    ``sent``: our φ and Δ as the partner received them (dequantized), when compressed.
+    """
     delta = outer_gradient(phi, theta)
     new_phi: Params = []
     new_momentum: Params = []
@@ -69,8 +83,10 @@ def noloco_step(
         if peer is None:
             m_new = config.alpha * m - config.beta * d
         else:
-            mean_delta = _mean2(d, peer.delta[k])
-            m_new = config.alpha * m - config.beta * mean_delta - config.gamma * (p - _mean2(p, peer.phi[k]))
+            own_phi, own_delta = (p, d) if sent is None else (sent.phi[k], sent.delta[k])
+            mean_delta = _mean2(own_delta, peer.delta[k])
+            pull = own_phi - _mean2(own_phi, peer.phi[k])
+            m_new = config.alpha * m - config.beta * mean_delta - config.gamma * pull
         new_momentum.append(m_new)
         new_phi.append(p + m_new)
     return new_phi, new_momentum

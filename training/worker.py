@@ -4,7 +4,8 @@
 
 It never touches the network. Each round: H inner steps, φ and Δ into the outbox (shared
 memory), ``round_done``; then wait for ``outer_go`` and apply the outer step, with the
-inbox's partner payload when there is one. stdout carries control messages only; logs go
+inbox's partner payload when there is one, and save a checkpoint. A restarted worker
+resumes from its checkpoint (its "ready" says from which round). stdout carries control messages only; logs go
 to stderr.
 """
 
@@ -18,9 +19,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from training import data, ipc
+from training import checkpoint, data, ipc
 from training.models import GPT, GPTConfig, preset
-from training.noloco import OuterConfig, outer_gradient
+from training.noloco import OuterConfig
 from training.trainer import InnerConfig, PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
@@ -37,7 +38,12 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         tokens, context_len=model_config.context_len, node_index=config.node_index, num_nodes=config.num_nodes
     )
     return Trainer(
-        model, shard, inner=InnerConfig(**config.inner), outer=OuterConfig(**config.outer), seed=config.node_index
+        model,
+        shard,
+        inner=InnerConfig(**config.inner),
+        outer=OuterConfig(**config.outer),
+        seed=config.node_index,
+        compression=config.compression,
     )
 
 
@@ -45,9 +51,35 @@ def _fields(config: GPTConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__slots__}
 
 
+def resume(config: WorkerConfig, trainer: Trainer) -> None:
+    """Continue from the checkpoint if there is a usable one; a damaged or foreign one is
+    moved aside (kept for the user, never deleted) and training starts over."""
+    if config.checkpoint_path is None or not Path(config.checkpoint_path).exists():
+        return
+    path = Path(config.checkpoint_path)
+    try:
+        tensors, meta = checkpoint.load(path)
+        if meta.get("fingerprint") != config.fingerprint():
+            raise checkpoint.CheckpointError(f"saved with other settings {meta.get('fingerprint')}")
+        trainer.restore(tensors, meta)
+    except checkpoint.CheckpointError as exc:
+        aside = path.with_name(f"{path.name}.unusable-{int(time.time())}")
+        path.rename(aside)
+        logger.warning("checkpoint %s is unusable (%s); kept as %s; starting from round 0", path, exc, aside)
+        return
+    logger.info("resumed from %s at round %d (step %d)", path, trainer.round, trainer.step)
+
+
+def save(config: WorkerConfig, trainer: Trainer) -> None:
+    if config.checkpoint_path is not None:
+        tensors, meta = trainer.state()
+        checkpoint.save(Path(config.checkpoint_path), tensors, {**meta, "fingerprint": config.fingerprint()})
+
+
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
     trainer = build_trainer(config)
-    nbytes = trainer.payload_numel * 4
+    resume(config, trainer)
+    nbytes = trainer.payload_nbytes
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     try:
@@ -68,13 +100,18 @@ def _rounds(
 ) -> None:
     # Tensors over the shared blocks live only in this frame, and are deleted on the way
     # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
-    out_view = torch.frombuffer(outbox.buf, dtype=torch.float32, count=trainer.payload_numel)
-    in_view = torch.frombuffer(inbox.buf, dtype=torch.float32, count=trainer.payload_numel)
+    out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
+    in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
     try:
         ipc.write_blocking(
-            replies, "ready", payload_nbytes=trainer.payload_numel * 4, outbox=outbox.name, inbox=inbox.name
+            replies,
+            "ready",
+            payload_nbytes=trainer.payload_nbytes,
+            outbox=outbox.name,
+            inbox=inbox.name,
+            round=trainer.round,
         )
-        for round_index in range(config.rounds):
+        for round_index in range(trainer.round, config.rounds):
             started = time.perf_counter()
             train_loss = trainer.inner_steps()
             out_view.copy_(trainer.outer_payload())
@@ -105,12 +142,13 @@ def _rounds(
                     ok = False
                 ipc.write_blocking(replies, "accumulated", round=round_index, ok=ok)
             if config.algorithm == "diloco":
-                collected[str(command.get("key"))] = outer_gradient(trainer.phi, trainer.theta())
+                collected[str(command.get("key"))] = trainer.own_delta()
                 trainer.apply_diloco([collected[key] for key in sorted(collected)])
                 used = len(collected) > 1
             else:
                 peer = in_view.clone() if command.get("peer") is True else None
                 used = trainer.apply_outer(peer, algorithm=config.algorithm)
+            save(config, trainer)  # before "outer_done": a round the daemon counted is never lost
             ipc.write_blocking(replies, "outer_done", round=round_index, used_peer=used)
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:

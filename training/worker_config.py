@@ -6,6 +6,8 @@ from typing import Any
 ALGORITHMS = ("noloco", "diloco", "local")
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
+# Outer payload encodings (training/trainer.py has the wire layout).
+COMPRESSIONS = ("none", "int8")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -15,6 +17,8 @@ class WorkerConfig:
     model_overrides: dict[str, int] = field(default_factory=dict)
     """Preset fields to change, e.g. {"num_layers": 2} for tests."""
     algorithm: str = "noloco"
+    compression: str = "none"
+    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes)."""
     node_index: int = 0
     num_nodes: int = 1
     rounds: int = 10
@@ -28,12 +32,30 @@ class WorkerConfig:
     """Initial weights: the same on every node of a run."""
     threads: int = 1
     """torch threads: several workers share a CPU in a simulation."""
+    checkpoint_path: str | None = None
+    """Saved after every outer step and resumed from at start (training/checkpoint.py)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings a checkpoint must have been saved with to be resumed (not ``rounds``:
+        a run may be extended)."""
+        return {
+            "model": self.model,
+            "model_overrides": dict(sorted(self.model_overrides.items())),
+            "algorithm": self.algorithm,
+            "compression": self.compression,
+            "node_index": self.node_index,
+            "num_nodes": self.num_nodes,
+            "data_path": self.data_path,
+            "seed": self.seed,
+        }
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if not 0 <= self.node_index < self.num_nodes:
             raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
         if self.rounds < 1 or self.threads < 1:

@@ -1,0 +1,95 @@
+"""Checkpoints: exact round trips, damaged files refused, and a restored trainer that
+continues bit for bit where it stopped."""
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_trainer import trainer
+from training import checkpoint
+from training.checkpoint import CheckpointError
+
+
+def test_tensors_and_meta_round_trip_exactly(tmp_path: Path) -> None:
+    tensors = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(5, dtype=torch.int64),
+        "c": torch.randn(7).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+    }
+    path = tmp_path / "x.ckpt"
+    checkpoint.save(path, tensors, {"round": 3, "note": "hi"})
+    loaded, meta = checkpoint.load(path)
+    assert meta == {"round": 3, "note": "hi"}
+    assert list(loaded) == list(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+    assert not path.with_name("x.ckpt.tmp").exists()
+
+
+def good_bytes() -> bytes:
+    return b"".join(checkpoint.encode({"w": torch.arange(64, dtype=torch.float32)}, {"round": 1}))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b"NOTACKPT" + b[8:], "magic"),
+        (lambda b: b[:-1], "hash"),
+        (lambda b: b[:-4] + b"\x00\x00\x80\x7f", "hash"),  # a flipped value, e.g. an Inf
+        (lambda b: b[:8] + (1 << 30).to_bytes(4, "big") + b[12:], "does not fit"),
+        (lambda b: b[:10], "truncated"),
+        (lambda b: b[:5], "magic"),
+        (lambda b: b[:12] + b"\xc1" + b[13:], "undecodable|hash"),
+    ],
+)
+def test_damaged_files_are_refused_with_the_reason(damage, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.decode(damage(good_bytes()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(min_value=0, max_value=400))
+def test_arbitrary_damage_never_escapes_as_another_error(junk: bytes, cut: int) -> None:
+    data = good_bytes()
+    for candidate in (junk, checkpoint.MAGIC + junk, data[:cut] + junk, data[:cut]):
+        with contextlib.suppress(CheckpointError):
+            checkpoint.decode(candidate)
+
+
+def test_a_restored_trainer_continues_bit_for_bit(tmp_path: Path) -> None:
+    original = trainer(0)
+    for _ in range(2):
+        original.inner_steps()
+        original.apply_outer(None)
+    path = tmp_path / "t.ckpt"
+    checkpoint.save(path, *original.state())
+    restored = trainer(0)
+    restored.restore(*checkpoint.load(path))
+    assert (restored.round, restored.step) == (original.round, original.step)
+    for t in (original, restored):
+        t.inner_steps()
+        t.apply_outer(None)
+    assert all(torch.equal(a, b) for a, b in zip(original.phi, restored.phi, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(original.theta(), restored.theta(), strict=True))
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing() -> None:
+    saved = trainer(0)
+    saved.inner_steps()
+    saved.apply_outer(None)
+    tensors, meta = saved.state()
+    tensors["phi.0"] = tensors["phi.0"][:-1]
+    fresh = trainer(0)
+    before = [p.clone() for p in fresh.theta()]
+    with pytest.raises(CheckpointError, match="does not fit"):
+        fresh.restore(tensors, meta)
+    tensors, meta = saved.state()
+    tensors["momentum.1"] = torch.full_like(tensors["momentum.1"], float("nan"))
+    with pytest.raises(CheckpointError, match="NaN"):
+        fresh.restore(tensors, meta)
+    assert fresh.round == 0 and all(torch.equal(a, b) for a, b in zip(before, fresh.theta(), strict=True))
