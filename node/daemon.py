@@ -19,7 +19,7 @@ from node.config import NodeConfig
 from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
 from node.errors import NodeError
-from node.training import TrainingService
+from node.training import RUN_SETTINGS, TrainingService
 from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
@@ -107,11 +107,12 @@ class Daemon:
                 on_peer = self.run_service.on_peer_connected
                 nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host, state)))
                 nursery.start_soon(self._save_loop, state)
-                if self.config.training.algorithm != "none" and self.config.role == "trainer":
+                if self.config.role == "trainer":  # trains what the run's manifest says
                     self.training = TrainingService(
                         host,
                         self.peers,
                         self.config.training,
+                        state,
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
@@ -183,8 +184,15 @@ class Daemon:
                 )
                 state = RunState(run_id)
         if self.config.run.new_run is not None:
+            training = self.config.training
             state.create_manifest(
-                Manifest(run_id=run_id, name=self.config.run.new_run, creator=self.peer_id, created_at=time.time())
+                Manifest(
+                    run_id=run_id,
+                    name=self.config.run.new_run,
+                    creator=self.peer_id,
+                    created_at=time.time(),
+                    **{name: getattr(training, name) for name in RUN_SETTINGS},
+                )
             )
             logger.info("created run %s", run_id)
         return state

@@ -77,14 +77,16 @@ class SimulationOptions:
         if self.rounds < 1 or self.inner_steps < 1:
             raise ConfigError("--rounds and --inner-steps: must be >= 1")
 
-    def training_flags(self, index: int) -> list[str]:
-        if self.algorithm == "none":
-            return []
+    def run_flags(self) -> list[str]:
+        """What the run trains (the bootstrap node writes it into the manifest)."""
         return [
             *["--algorithm", self.algorithm, "--rounds", str(self.rounds)],
             *["--inner-steps", str(self.inner_steps), "--model", self.model, "--compression", self.compression],
-            *["--data-shard", f"{index}/{self.num_nodes}"],
         ]
+
+    def training_flags(self, index: int) -> list[str]:
+        """A node's own part: its data shard (the rest comes from the manifest)."""
+        return [] if self.algorithm == "none" else ["--data-shard", f"{index}/{self.num_nodes}"]
 
 
 @dataclass(slots=True)
@@ -174,7 +176,8 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     tty = sys.stdout.isatty()
     try:
         start_forkserver(base / "forkserver.log")
-        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap"])
+        # The bootstrap node starts the run, so its manifest says what everyone trains.
+        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.run_flags()])
         nodes.append(boot)
         boot_status = await _wait_for_api(boot)
         run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]

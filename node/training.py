@@ -1,5 +1,11 @@
 """A node's training: supervises its worker and runs each round's outer step with a peer.
 
+What to train is the run's decision, not each node's: the run manifest (written by the
+node that started the run, replicated to all) carries the algorithm, model, H, rounds,
+learning rate, batch size and compression. A trainer waits until it holds the manifest,
+adopts those settings (saying so when its own differ), and keeps only local ones: data
+shard, threads, pairing bound, upload cap. A run whose algorithm is "none" trains nothing.
+
 At every round boundary the worker reports its losses and leaves φ and Δ in its outbox.
 For NoLoCo we pair with one random live trainer (protocol/pairing.py; bounded wait, then
 alone), the partner's payload lands in the worker's inbox, and the worker applies the
@@ -7,6 +13,7 @@ outer step. "local" trains alone, the baseline. Metrics feed ``status`` and the 
 report: the loss curve, bytes moved, and how the time split between compute and waiting.
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -15,6 +22,7 @@ import trio
 
 from node.config import TrainingConfig
 from node.diloco import DilocoExchange
+from node.errors import ConfigError
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from protocol.data_channel import DataChannel
 from protocol.exchange import TensorReceiver
@@ -22,6 +30,7 @@ from protocol.host import Host
 from protocol.pairing import Pairing
 from protocol.peers import PeerTable
 from protocol.ratelimit import RateLimit
+from protocol.state import Manifest, RunState
 from training.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -29,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What the manifest decides for every trainer of the run.
+RUN_SETTINGS = ("algorithm", "model", "steps_per_round", "rounds", "lr", "batch_size", "compression")
 # Payload exchanges are bounded too: a partner that stops reading never holds us for long.
 SEND_TIMEOUT_S = 120.0
 MAX_PAYLOAD_NBYTES = 4 << 30
@@ -51,12 +62,34 @@ class TrainingMetrics:
     worker_starts: int = 0
 
 
+def adopt(ours: TrainingConfig, manifest: Manifest) -> TrainingConfig | None:
+    """Our training settings with the run's in place; None if we do not train in this run."""
+    theirs = {name: getattr(manifest, name) for name in RUN_SETTINGS}
+    differ = [f"{n} {getattr(ours, n)!r} -> {v!r}" for n, v in theirs.items() if getattr(ours, n) != v]
+    if differ and ours.algorithm != "none":
+        logger.warning("the run's settings replace ours: %s", ", ".join(differ))
+    try:
+        config = dataclasses.replace(ours, **theirs)
+    except ConfigError as exc:
+        logger.error("cannot train in this run (%s); staying on the network without training", exc)
+        return None
+    if config.algorithm == "none":
+        logger.info("the run trains nothing (algorithm none): network only")
+        return None
+    logger.info(
+        "training as the run says: %s, model %s, H=%d, %d rounds, lr %g, compression %s",
+        *(config.algorithm, config.model, config.steps_per_round, config.rounds, config.lr, config.compression),
+    )
+    return config
+
+
 class TrainingService:
     def __init__(
         self,
         host: Host,
         peers: PeerTable,
         config: TrainingConfig,
+        state: RunState,
         *,
         listen_ip: str,
         log_path: str,
@@ -66,12 +99,30 @@ class TrainingService:
         self._host = host
         self._peers = peers
         self._config = config
+        self._state = state
         self._listen_ip = listen_ip
+        self._log_path = log_path
+        self._checkpoint_path = checkpoint_path
+        self._supervisor: Supervisor | None = None
+        self.adopted = trio.Event()
+        """Set once the run's settings are known (training or not)."""
         self.metrics = TrainingMetrics()
         self._first_ready: float | None = None
         upload_limit = RateLimit.from_mbps(upload_limit_mbps)  # one cap for every send of this node
         self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
         self._diloco = DilocoExchange(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
+
+    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while (manifest := self._state.manifest) is None:
+            changed = self._state.changed
+            if self._state.manifest is None:
+                await changed.wait()
+        config = adopt(self._config, manifest)
+        self.adopted.set()
+        if config is None:
+            return
+        self._config = config
         worker_config = WorkerConfig(
             model=config.model,
             algorithm=config.algorithm,
@@ -81,11 +132,12 @@ class TrainingService:
             rounds=config.rounds,
             inner={"steps_per_round": config.steps_per_round, "lr": config.lr, "batch_size": config.batch_size},
             threads=config.threads,
-            checkpoint_path=checkpoint_path,
+            checkpoint_path=self._checkpoint_path,
         )
-        self._supervisor = Supervisor(worker_config, self._session, log_path=log_path)
+        self._supervisor = Supervisor(worker_config, self._session, log_path=self._log_path)
+        await self._train(self._supervisor)
 
-    async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+    async def _train(self, supervisor: Supervisor) -> None:
         channel = DataChannel(self._listen_ip)
         receiver = TensorReceiver(
             self._host,
@@ -99,15 +151,17 @@ class TrainingService:
             await nursery.start(channel.run)
             await nursery.start(self._pairing.run)
             receiver.register()
-            task_status.started()
-            await self._supervisor.run()
+            await supervisor.run()
             self.metrics.finished = True
             logger.info(
                 "training finished: %d rounds, %d with a partner", self.metrics.rounds, self.metrics.rounds_with_partner
             )
             nursery.cancel_scope.cancel()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any] | None:
+        """None while not training (no manifest yet, or the run trains nothing)."""
+        if self._supervisor is None:
+            return None
         m = self.metrics
         return {
             "algorithm": self._config.algorithm,

@@ -1,7 +1,9 @@
 """The replicated state of one run: a pycrdt document holding its manifest and members.
 
     doc
-    ├── "manifest"  Map: run_id, name, creator, created_at, algorithm, version
+    ├── "manifest"  Map: run_id, name, creator, created_at, version, and what the run
+    │               trains: algorithm, model, steps_per_round, rounds, lr, batch_size,
+    │               compression (node/training.py adopts them)
     └── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at}
 
 The manifest is written once, by the node that starts the run, and is immutable after that.
@@ -27,6 +29,8 @@ from protocol.errors import BadMessage
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")  # base58btc
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROOTS = ("manifest", "members")
+# Training settings are names like "noloco" or "gpt-125m"; the node checks the values it supports.
+SETTING_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
 ROLES = frozenset({"trainer", "bootstrap", "observer"})
 # Bounds that keep one run's document small enough to copy on every remote update.
 MAX_MEMBERS = 4096
@@ -44,8 +48,14 @@ class Manifest:
     creator: str
     created_at: float
     algorithm: str = "none"
-    """The training algorithm; the daemon issue carries no training yet."""
-    version: int = 1
+    """What every trainer of the run does: none (network only), noloco, diloco, local."""
+    model: str = "tiny"
+    steps_per_round: int = 50
+    rounds: int = 20
+    lr: float = 1e-3
+    batch_size: int = 8
+    compression: str = "none"
+    version: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +93,17 @@ def _need(cond: bool, what: str) -> None:
         raise BadMessage(what)
 
 
-def _as_int(value: Any, what: str) -> int:
+def _as_int(value: Any, what: str, *, lo: int = 0, hi: int = MAX_SAFE_INT) -> int:
     # pycrdt returns every number as a float; integers round-trip exactly below 2**53.
     _need(isinstance(value, int | float) and not isinstance(value, bool), f"{what} is not a number")
-    _need(float(value).is_integer() and 0 <= value <= MAX_SAFE_INT, f"{what} is not a small integer")
+    _need(float(value).is_integer() and lo <= value <= hi, f"{what} is not an integer in [{lo}, {hi}]")
     return int(value)
+
+
+def _as_float(value: Any, what: str, *, lo: float, hi: float) -> float:
+    _need(isinstance(value, int | float) and not isinstance(value, bool), f"{what} is not a number")
+    _need(lo < value <= hi, f"{what} is not in ({lo:g}, {hi:g}]")  # also refuses NaN
+    return float(value)
 
 
 def _as_time(value: Any, what: str) -> float:
@@ -109,7 +125,13 @@ def parse_manifest(raw: dict[str, Any]) -> Manifest:
         name=_as_str(raw["name"], "manifest.name", 64),
         creator=_as_str(raw["creator"], "manifest.creator", 64, PEER_ID_PATTERN),
         created_at=_as_time(raw["created_at"], "manifest.created_at"),
-        algorithm=_as_str(raw["algorithm"], "manifest.algorithm", 32),
+        algorithm=_as_str(raw["algorithm"], "manifest.algorithm", 32, SETTING_PATTERN),
+        model=_as_str(raw["model"], "manifest.model", 32, SETTING_PATTERN),
+        steps_per_round=_as_int(raw["steps_per_round"], "manifest.steps_per_round", lo=1, hi=1 << 20),
+        rounds=_as_int(raw["rounds"], "manifest.rounds", lo=1, hi=1 << 30),
+        lr=_as_float(raw["lr"], "manifest.lr", lo=0.0, hi=1.0),
+        batch_size=_as_int(raw["batch_size"], "manifest.batch_size", lo=1, hi=1 << 16),
+        compression=_as_str(raw["compression"], "manifest.compression", 32, SETTING_PATTERN),
         version=_as_int(raw["version"], "manifest.version"),
     )
 
