@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
-from training.worker_config import ALGORITHMS, COMPRESSIONS, MODEL_PRESETS
+from training.worker_config import ALGORITHMS, COMPILE_MODES, COMPRESSIONS, MODEL_PRESETS
 
 T = typing.TypeVar("T")
 
@@ -141,11 +141,14 @@ class TrainingConfig:
     """Longest wait for a NoLoCo partner at a round boundary; then the round goes on alone."""
     threads: int = 1
     """torch threads of the worker."""
+    compile: str = "auto"
+    """torch.compile the model: auto (on CUDA only), on, off."""
 
     def __post_init__(self) -> None:
         _choice("training.algorithm", self.algorithm, TRAINING_ALGORITHMS)
         _choice("training.model", self.model, MODEL_PRESETS)
         _choice("training.compression", self.compression, COMPRESSIONS)
+        _choice("training.compile", self.compile, COMPILE_MODES)
         for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name}: must be >= 1, got {getattr(self, name)}")

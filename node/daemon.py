@@ -117,6 +117,7 @@ class Daemon:
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
                         checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),
+                        device=detect_device(self.config.device),
                     )
                     await nursery.start(self.training.run)
             self.discovery = Discovery(

@@ -95,6 +95,7 @@ class TrainingService:
         log_path: str,
         upload_limit_mbps: float = 0.0,
         checkpoint_path: str | None = None,
+        device: str = "cpu",
     ) -> None:
         self._host = host
         self._peers = peers
@@ -103,6 +104,7 @@ class TrainingService:
         self._listen_ip = listen_ip
         self._log_path = log_path
         self._checkpoint_path = checkpoint_path
+        self._device = device
         self._supervisor: Supervisor | None = None
         self.adopted = trio.Event()
         """Set once the run's settings are known (training or not)."""
@@ -133,6 +135,8 @@ class TrainingService:
             inner={"steps_per_round": config.steps_per_round, "lr": config.lr, "batch_size": config.batch_size},
             threads=config.threads,
             checkpoint_path=self._checkpoint_path,
+            device=self._device,
+            compile=config.compile,
         )
         self._supervisor = Supervisor(worker_config, self._session, log_path=self._log_path)
         await self._train(self._supervisor)

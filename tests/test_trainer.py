@@ -108,3 +108,34 @@ def test_a_bad_int8_payload_is_rejected(damage: str) -> None:
     a.outer_payload()
     assert a.apply_outer(payload) is False
     assert all(torch.isfinite(p).all() for p in a.model.parameters())
+
+
+def test_a_compiled_model_trains_like_the_eager_one() -> None:
+    eager, compiled = trainer(0, steps=3), trainer(0, steps=3)
+    compiled._loss = torch.compile(compiled.model.loss)  # what compile_model=True sets up
+    assert eager.inner_steps() == pytest.approx(compiled.inner_steps(), rel=1e-4)
+    for a, b in zip(eager.theta(), compiled.theta(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compression: str) -> None:
+    def on_cuda(node_index: int) -> Trainer:
+        torch.manual_seed(0)
+        shard = data.make_shard(TOKENS, context_len=SMALL.context_len, node_index=node_index, num_nodes=2)
+        inner = InnerConfig(steps_per_round=5, lr=3e-3)
+        return Trainer(
+            GPT(SMALL), shard, inner=inner, outer=OuterConfig(), seed=node_index, compression=compression, device="cuda"
+        )
+
+    a, b = on_cuda(0), on_cuda(1)
+    before = a.val_loss()
+    for _ in range(3):
+        a.inner_steps()
+        b.inner_steps()
+        pa, pb = a.outer_payload(), b.outer_payload()
+        assert pa.device.type == "cpu" and pa.dtype == torch.uint8 and pa.numel() == a.payload_nbytes
+        assert a.apply_outer(pb) and b.apply_outer(pa)
+    assert a.val_loss() < before
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))

@@ -63,10 +63,18 @@ class Trainer:
         outer: OuterConfig,
         seed: int,
         compression: str = "none",
+        device: str = "cpu",
+        compile_model: bool = False,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
-        self.model = model
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        # torch.compile pays off on CUDA (fused kernels); on a CPU and a small model it
+        # mostly costs compile time, so it is off there unless asked for.
+        self._loss = torch.compile(model.loss) if compile_model else model.loss
+        # bf16 autocast on CUDA: the weights, φ, momentum and payloads stay float32.
+        self._autocast = self.device.type == "cuda"
         self.shard = shard
         self.inner = inner
         self.outer = outer
@@ -94,7 +102,8 @@ class Trainer:
         total = 0.0
         for _ in range(self.inner.steps_per_round):
             inputs, targets = self.shard.batch(batch_size=self.inner.batch_size, seed=self.seed, step=self.step)
-            loss = self.model.loss(inputs, targets)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+                loss = self._loss(inputs.to(self.device), targets.to(self.device))
             self.optimizer.zero_grad(set_to_none=True)
             torch.autograd.backward(loss)
             torch.nn.utils.clip_grad_norm_(self._params, self.inner.grad_clip)
@@ -107,7 +116,11 @@ class Trainer:
     def val_loss(self, *, max_batches: int = 8) -> float:
         self.model.eval()
         batches = self.shard.val_batches(batch_size=self.inner.batch_size, max_batches=max_batches)
-        return sum(self.model.loss(x, y).item() for x, y in batches) / len(batches)
+        total = 0.0
+        for x, y in batches:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+                total += self.model.loss(x.to(self.device), y.to(self.device)).item()
+        return total / len(batches)
 
     def theta(self) -> list[torch.Tensor]:
         return [p.detach() for p in self._params]
@@ -119,12 +132,12 @@ class Trainer:
         flat = torch.cat([t.reshape(-1) for t in (*self.phi, *delta)]).to(torch.float32)
         if self.compression == "none":
             self._sent = None
-            return flat.view(torch.uint8)
+            return flat.cpu().view(torch.uint8)
         pieces = [quantize(part) for part in torch.split(flat, self._numels)]
         codes = torch.cat([c for c, _ in pieces])
         scales = torch.cat([s for _, s in pieces])
         self._sent = self._split(torch.cat([dequantize(c, s) for c, s in pieces]))
-        return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
+        return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]).cpu()
 
     def parse_payload(self, wire: torch.Tensor) -> PeerTensors:
         """A partner's wire bytes as tensors shaped like ours; ``PayloadRejected`` if unusable."""
@@ -132,11 +145,12 @@ class Trainer:
             raise PayloadRejected(
                 f"payload is {wire.dtype} × {tuple(wire.shape)}, expected uint8 × ({self.payload_nbytes},)"
             )
+        wire = wire.to(self.device, copy=True)  # aligned, and the caller's buffer is never kept
         if self.compression == "none":
-            flat = wire.clone().view(torch.float32)
+            flat = wire.view(torch.float32)
         else:
             codes = torch.split(wire[: self.payload_numel].view(torch.int8), self._numels)
-            scales = torch.split(wire[self.payload_numel :].clone().view(torch.float32), self._blocks)  # aligned copy
+            scales = torch.split(wire[self.payload_numel :].clone().view(torch.float32), self._blocks)  # aligned
             try:
                 flat = torch.cat([dequantize(c, s) for c, s in zip(codes, scales, strict=True)])
             except ValueError as exc:
@@ -151,7 +165,9 @@ class Trainer:
 
     def _split(self, flat: torch.Tensor) -> PeerTensors:
         parts = list(torch.split(flat, self._numels))
-        shaped = [part.view_as(ref).to(ref.dtype) for part, ref in zip(parts, [*self.phi, *self.phi], strict=True)]
+        shaped = [
+            part.view_as(ref).to(ref.device, ref.dtype) for part, ref in zip(parts, [*self.phi, *self.phi], strict=True)
+        ]
         return PeerTensors(phi=shaped[: len(self.phi)], delta=shaped[len(self.phi) :])
 
     @torch.no_grad()
@@ -229,11 +245,14 @@ class Trainer:
             adam[k] = moments
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
             raise CheckpointError("checkpoint holds NaN or Inf")
-        self.phi = [tensors[f"phi.{k}"].clone() for k in range(len(self._params))]
-        self.momentum = [tensors[f"momentum.{k}"].clone() for k in range(len(self._params))]
+        self.phi = [tensors[f"phi.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
+        self.momentum = [tensors[f"momentum.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
         self.optimizer.state.clear()
         for k, state in adam.items():
-            self.optimizer.state[self._params[k]] = {key: m.clone() for key, m in state.items()}
+            # AdamW keeps its step count on the CPU unless capturable; the moments live with the weights.
+            self.optimizer.state[self._params[k]] = {
+                key: m.clone() if key == "step" else m.to(self.device, copy=True) for key, m in state.items()
+            }
         self.round, self.step = round_index, step
         self._sent = None
         self._load_phi_into_theta()

@@ -30,6 +30,8 @@ logger = logging.getLogger("training.worker")
 
 def build_trainer(config: WorkerConfig) -> Trainer:
     torch.set_num_threads(config.threads)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda asked for, but torch sees no CUDA device (pass --device cpu)")
     model_config = GPTConfig(**{**_fields(preset(config.model)), **config.model_overrides})
     torch.manual_seed(config.seed)
     model = GPT(model_config)
@@ -44,6 +46,8 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         outer=OuterConfig(**config.outer),
         seed=config.node_index,
         compression=config.compression,
+        device=config.device,
+        compile_model=config.compile == "on" or (config.compile == "auto" and config.device == "cuda"),
     )
 
 

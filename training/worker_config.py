@@ -6,6 +6,8 @@ from typing import Any
 ALGORITHMS = ("noloco", "diloco", "local")
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
+DEVICES = ("cpu", "cuda")
+COMPILE_MODES = ("auto", "on", "off")
 # Outer payload encodings (training/trainer.py has the wire layout).
 COMPRESSIONS = ("none", "int8")
 
@@ -32,6 +34,9 @@ class WorkerConfig:
     """Initial weights: the same on every node of a run."""
     threads: int = 1
     """torch threads: several workers share a CPU in a simulation."""
+    device: str = "cpu"
+    compile: str = "auto"
+    """torch.compile the model: auto means on CUDA only (on a CPU it barely helps small models)."""
     checkpoint_path: str | None = None
     """Saved after every outer step and resumed from at start (training/checkpoint.py)."""
 
@@ -54,6 +59,8 @@ class WorkerConfig:
             raise ValueError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.device not in DEVICES or self.compile not in COMPILE_MODES:
+            raise ValueError(f"device must be one of {DEVICES} and compile one of {COMPILE_MODES}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if not 0 <= self.node_index < self.num_nodes:
