@@ -1,0 +1,97 @@
+"""The protocol's perturbation generator: counter-based, integer-only, the same bits everywhere.
+
+Every peer of a zeroth-order run must rebuild z(s) exactly, on any CPU or GPU, so the
+generator uses nothing but 32-bit unsigned integer arithmetic (wrap-around multiply, xor,
+shifts) — no floating point and no library RNG (``torch.randn`` differs across CPU types,
+and between CPU and GPU).
+
+Definition (version 1; tests/vectors/rng_v1.json holds test vectors):
+
+    mix(x)      = lowbias32: x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B;
+                  x ^= x >> 16                        (all mod 2**32)
+    key(s, p)   = ka = mix(mix(mix(p ^ 0x9E3779B9) ^ s_hi) ^ s_lo),  kb = mix(ka ^ 0x85EBCA6B)
+                  for seed s = s_hi·2**32 + s_lo (0 ≤ s < 2**64) and parameter index p
+    bits(s,p,i) = mix(mix(i ^ ka) + kb)               for element index i (0 ≤ i < 2**32)
+    z(s,p,i)    = +1 if the top bit of bits(s,p,i) is 0, else −1   (Rademacher)
+
+Parameter index p numbers the model's parameters in ``model.parameters()`` order; element
+index i is the position in the flattened (C-order) parameter.
+
+Implementations: ``mix_int``/``bits_int`` (pure Python, the definition itself), the torch
+reference below (int64 tensors; the 32-bit multiply is split in 16-bit halves so no
+intermediate exceeds 2**63), and the Triton kernel in kernels/zo_apply.py (uint32).
+"""
+
+import torch
+
+VERSION = 1
+M32 = 0xFFFFFFFF
+C1 = 0x7FEB352D
+C2 = 0x846CA68B
+PARAM_SALT = 0x9E3779B9
+KEY_SALT = 0x85EBCA6B
+MAX_ELEMENTS = 1 << 32
+
+
+def mix_int(x: int) -> int:
+    x &= M32
+    x ^= x >> 16
+    x = (x * C1) & M32
+    x ^= x >> 15
+    x = (x * C2) & M32
+    x ^= x >> 16
+    return x
+
+
+def key(seed: int, param_index: int) -> tuple[int, int]:
+    """The per-(seed, parameter) key pair (ka, kb)."""
+    if not 0 <= seed < 1 << 64 or not 0 <= param_index <= M32:
+        raise ValueError(f"seed must be in [0, 2**64) and param_index in [0, 2**32), got {seed}, {param_index}")
+    ka = mix_int(mix_int(mix_int(param_index ^ PARAM_SALT) ^ (seed >> 32)) ^ (seed & M32))
+    return ka, mix_int(ka ^ KEY_SALT)
+
+
+def bits_int(seed: int, param_index: int, index: int) -> int:
+    """The definition, one element at a time (slow; for checking other implementations)."""
+    ka, kb = key(seed, param_index)
+    return mix_int((mix_int(index ^ ka) + kb) & M32)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x · c) mod 2**32 without overflowing int64: x = hi·2**16 + lo.
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & M32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, C2)
+    return x ^ (x >> 16)
+
+
+def bits(
+    seed: int, param_index: int, count: int, *, offset: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """bits(s, p, i) for i in [offset, offset + count), as int64 holding uint32 values."""
+    if offset < 0 or count < 0 or offset + count > MAX_ELEMENTS:
+        raise ValueError(f"element indices must lie in [0, 2**32), got [{offset}, {offset + count})")
+    ka, kb = key(seed, param_index)
+    index = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
+    return _mix((_mix(index ^ ka) + kb) & M32)
+
+
+def rademacher(
+    seed: int,
+    param_index: int,
+    count: int,
+    *,
+    offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """z(s, p, i) ∈ {+1, −1} for i in [offset, offset + count)."""
+    top = bits(seed, param_index, count, offset=offset, device=device) >> 31
+    return (1 - 2 * top).to(dtype)

@@ -1,0 +1,64 @@
+"""The perturbation generator against its definition and the published test vectors."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels import rng
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "rng_v1.json").read_text())
+
+
+@given(
+    st.integers(min_value=0, max_value=2**64 - 1),
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.integers(min_value=0, max_value=2**32 - 64),
+)
+def test_the_torch_reference_matches_the_definition(seed: int, param_index: int, offset: int) -> None:
+    got = rng.bits(seed, param_index, 64, offset=offset).tolist()
+    assert got == [rng.bits_int(seed, param_index, offset + i) for i in range(64)]
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: f"s{c['seed']}-p{c['param_index']}")
+def test_published_vectors(case: dict) -> None:  # type: ignore[type-arg]
+    seed, p = int(case["seed"]), case["param_index"]
+    assert VECTORS["version"] == rng.VERSION
+    assert list(rng.key(seed, p)) == [case["ka"], case["kb"]]
+    assert rng.bits(seed, p, 16).tolist() == case["bits_0_16"]
+    assert rng.bits(seed, p, 8, offset=2**32 - 8).tolist() == case["bits_last_8"]
+    signs = (rng.bits(seed, p, 1 << 20) >> 31).to(torch.uint8).numpy()
+    assert hashlib.sha256(np.packbits(signs).tobytes()).hexdigest() == case["sign_bits_2_20_sha256"]
+    z = rng.rademacher(seed, p, 1 << 20)
+    assert z.dtype == torch.float32 and set(z.unique().tolist()) == {-1.0, 1.0}
+    assert int(z.sum()) == case["sign_sum_2_20"]
+
+
+def test_streams_look_independent() -> None:
+    # Deterministic inputs, so these bounds either hold or never do: 6 standard deviations.
+    n = 1 << 20
+    bound = 6 / n**0.5
+    z = rng.rademacher(7, 0, n, dtype=torch.float64)
+    others = [
+        rng.rademacher(8, 0, n, dtype=torch.float64),  # next seed
+        rng.rademacher(7, 1, n, dtype=torch.float64),  # next parameter
+        rng.rademacher(7 + (1 << 32), 0, n, dtype=torch.float64),  # high word of the seed
+        rng.rademacher(7, 0, n, offset=1, dtype=torch.float64),  # the neighbouring element
+    ]
+    assert abs(float(z.mean())) < bound
+    for other in others:
+        assert abs(float((z * other).mean())) < bound
+
+
+def test_out_of_range_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        rng.key(2**64, 0)
+    with pytest.raises(ValueError, match="seed"):
+        rng.key(-1, 0)
+    with pytest.raises(ValueError, match="element indices"):
+        rng.bits(0, 0, 2, offset=2**32 - 1)

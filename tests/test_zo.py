@@ -1,0 +1,75 @@
+"""Zeroth-order pieces: one-byte scalars, SPSA that leaves no trace, and fine-tuning that learns."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.test_trainer import trainer
+from training import zo
+
+G_MAX = 8.0
+
+
+def test_the_decoding_table_is_the_published_one() -> None:
+    # Any implementation must decode the 128 levels to these float32 values, bit for bit.
+    published = json.loads((Path(__file__).parent / "vectors" / "zo_g_v1.json").read_text())
+    assert [float.fromhex(v) for v in published["magnitudes_float32_hex"]] == zo.MAGNITUDES.tolist()
+    assert zo.MAGNITUDES[zo.LEVELS].item() == 1.0 and zo.MAGNITUDES[0].item() == 0.0
+
+
+@given(st.floats(min_value=G_MAX * 2**-10, max_value=G_MAX), st.booleans())
+def test_one_byte_keeps_g_within_three_percent(magnitude: float, negative: bool) -> None:
+    g = -magnitude if negative else magnitude
+    code = zo.encode_g(g, G_MAX)
+    assert 0 <= code <= 0xFF
+    decoded = zo.decode_g(code, G_MAX)
+    assert math.copysign(1.0, decoded) == math.copysign(1.0, g)
+    assert abs(decoded - g) / abs(g) <= 2 ** (1 / 24) - 1 + 1e-6
+
+
+def test_zero_saturation_and_bad_values() -> None:
+    assert zo.decode_g(zo.encode_g(0.0, G_MAX), G_MAX) == 0.0
+    assert zo.decode_g(zo.encode_g(1e-9, G_MAX), G_MAX) == 0.0
+    assert zo.decode_g(zo.encode_g(1e6, G_MAX), G_MAX) == G_MAX  # saturates like clipping
+    assert zo.decode_g(zo.encode_g(-1e6, G_MAX), G_MAX) == -G_MAX
+    assert all(abs(zo.decode_g(code, G_MAX)) <= G_MAX for code in range(256))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="encode"):
+            zo.encode_g(bad, G_MAX)
+    with pytest.raises(ValueError, match="one byte"):
+        zo.decode_g(256, G_MAX)
+
+
+def test_spsa_leaves_the_weights_exactly_as_they_were_and_estimates_the_slope() -> None:
+    t = trainer(0)
+    params = list(t.model.parameters())
+    before = [p.detach().clone() for p in params]
+    x, y = t.shard.batch(batch_size=8, seed=0, step=0)
+    g = zo.spsa(params, lambda: t.model.loss(x, y).item(), seed=11, eps=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    # The directional derivative along z, from autograd, for comparison.
+    loss = t.model.loss(x, y)
+    grads = torch.autograd.grad(loss, params)
+    from kernels import rng
+
+    slope = sum(float((gr * rng.rademacher(11, k, gr.numel()).view_as(gr)).sum()) for k, gr in enumerate(grads))
+    assert g == pytest.approx(slope, rel=0.05, abs=1e-3)
+
+
+def test_zo_fine_tuning_lowers_the_loss() -> None:
+    t = trainer(0, steps=100)
+    t.inner_steps()  # a briefly pretrained model, as ZO fine-tuning starts from one
+    params = list(t.model.parameters())
+    config = zo.ZoConfig()
+    before = t.val_loss()
+    for step in range(300):
+        x, y = t.shard.batch(batch_size=16, seed=1, step=step)
+        seed = zo.step_seed(1, 0, step)
+        g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps)  # type: ignore[misc]
+        zo.apply_updates(params, [(seed, zo.encode_g(g, config.g_max))], config)
+    assert t.val_loss() < before - 0.005

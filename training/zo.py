@@ -1,0 +1,111 @@
+"""Seed-based zeroth-order training: SPSA with shared randomness, and one-byte scalars.
+
+A step (../shared/DESIGN.md): draw a seed s; L± = L(θ ± ε·z(s)); g = (L+ − L−) / 2ε. The
+update θ ← θ − lr·g·z(s) is then fully described by (s, g): peers exchange those few
+bytes and every peer applies every update (kernels/zo_apply.py) in one agreed order.
+
+- z(s) comes from kernels/rng.py: the same bits on every machine.
+- The canonical weights are never the perturb/restore round trip (θ + ε z − 2ε z + ε z is
+  not θ in floating point): the perturbed weights are computed from a kept copy, and the
+  copy is put back exactly afterwards.
+- g travels as one byte (``encode_g``): a sign bit and a 7-bit log-scale magnitude,
+  |g| = g_max · 2^((q − 127)/12) for q = 1…127 (q = 0: zero), so the relative error is at
+  most 2^(1/24) − 1 ≈ 2.9% and |g| never exceeds g_max (a larger g saturates, like
+  clipping). Every peer decodes through the same float32 table, built with decimal
+  arithmetic (no platform libm), so decoded values are bit-identical everywhere.
+"""
+
+import decimal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import zo_apply
+
+LEVELS = 127
+STEPS_PER_OCTAVE = 12
+
+
+def _table() -> torch.Tensor:
+    context = decimal.Context(prec=50)
+    values = [0.0] + [
+        float(context.power(decimal.Decimal(2), decimal.Decimal(q - LEVELS) / STEPS_PER_OCTAVE))
+        for q in range(1, LEVELS + 1)
+    ]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+MAGNITUDES = _table()
+"""MAGNITUDES[q] = float32(2^((q − 127)/12)); MAGNITUDES[0] = 0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZoConfig:
+    eps: float = 1e-3
+    """Perturbation size ε."""
+    lr: float = 1e-3
+    """Step size of θ ← θ − lr·g·z."""
+    g_max: float = 8.0
+    """Largest |g| a one-byte scalar can carry; larger ones saturate."""
+
+    def __post_init__(self) -> None:
+        for name in ("eps", "lr", "g_max"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def encode_g(g: float, g_max: float) -> int:
+    """g → one byte: bit 7 the sign, bits 0–6 the nearest log-scale level (0: zero)."""
+    if g != g or g in (float("inf"), float("-inf")):
+        raise ValueError(f"cannot encode g = {g}")
+    magnitude = torch.tensor(abs(g) / g_max, dtype=torch.float32)
+    # Nearest level in log space: compare against the geometric midpoints of the table.
+    midpoints = torch.sqrt(MAGNITUDES[1:-1].double() * MAGNITUDES[2:].double()).float()
+    if float(magnitude) < float(MAGNITUDES[1]) / 2 ** (1 / (2 * STEPS_PER_OCTAVE)):
+        return 0
+    level = 1 + int(torch.searchsorted(midpoints, magnitude.reshape(1)).item())
+    return (0x80 if g < 0 else 0) | min(level, LEVELS)
+
+
+def decode_g(code: int, g_max: float) -> float:
+    """One byte → g, as a float32 value (float32(g_max) × MAGNITUDES[q], with the sign)."""
+    if not 0 <= code <= 0xFF:
+        raise ValueError(f"a g code is one byte, got {code}")
+    value = torch.tensor(g_max, dtype=torch.float32) * MAGNITUDES[code & 0x7F]
+    return -float(value) if code & 0x80 else float(value)
+
+
+Loss = Callable[[], float]
+
+
+@torch.no_grad()
+def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float) -> float:
+    """g = (L(θ + εz) − L(θ − εz)) / 2ε; the parameters end exactly as they began."""
+    kept = [p.detach().clone() for p in params]
+    try:
+        zo_apply.apply(params, [seed], zo_apply.coefficients(-eps, [1.0]))  # θ + εz
+        plus = loss()
+        _restore(params, kept)
+        zo_apply.apply(params, [seed], zo_apply.coefficients(eps, [1.0]))  # θ − εz
+        minus = loss()
+    finally:
+        _restore(params, kept)
+    return (plus - minus) / (2 * eps)
+
+
+def _restore(params: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
+    for param, saved in zip(params, kept, strict=True):
+        param.copy_(saved)
+
+
+def step_seed(run_seed: int, peer_index: int, step: int) -> int:
+    """A 64-bit seed per (peer, step): distinct streams without coordination."""
+    return (run_seed * 0x9E3779B97F4A7C15 + peer_index * 0xBF58476D1CE4E5B9 + step) % (1 << 64)
+
+
+@torch.no_grad()
+def apply_updates(params: Sequence[torch.Tensor], updates: Sequence[tuple[int, int]], config: ZoConfig) -> None:
+    """Apply (seed, g code) updates in the given (canonical) order: θ ← θ − Σ lr·g·z."""
+    gs = [decode_g(code, config.g_max) for _, code in updates]
+    zo_apply.apply(params, [seed for seed, _ in updates], zo_apply.coefficients(config.lr, gs))
