@@ -144,3 +144,12 @@ async def test_a_damaged_checkpoint_is_kept_aside_and_training_starts_over(tmp_p
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
+
+
+async def test_a_worker_told_cuda_without_one_trains_on_the_cpu_instead_of_crash_looping() -> None:
+    worker = await start_worker(algorithm="local", rounds=1, device="cuda")
+    assert (await receive(worker))["t"] == "ready"
+    assert (await receive(worker))["t"] == "round_done"
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0

@@ -30,8 +30,11 @@ logger = logging.getLogger("training.worker")
 
 def build_trainer(config: WorkerConfig) -> Trainer:
     torch.set_num_threads(config.threads)
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda asked for, but torch sees no CUDA device (pass --device cpu)")
+    device = config.device
+    if device == "cuda" and not torch.cuda.is_available():
+        # A GPU machine with a CPU build of torch: train anyway (a crash would only loop).
+        logger.warning("device cuda asked for, but this torch sees no CUDA device: training on the CPU")
+        device = "cpu"
     model_config = GPTConfig(**{**_fields(preset(config.model)), **config.model_overrides})
     torch.manual_seed(config.seed)
     model = GPT(model_config)
@@ -46,8 +49,8 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         outer=OuterConfig(**config.outer),
         seed=config.node_index,
         compression=config.compression,
-        device=config.device,
-        compile_model=config.compile == "on" or (config.compile == "auto" and config.device == "cuda"),
+        device=device,
+        compile_model=config.compile == "on" or (config.compile == "auto" and device == "cuda"),
     )
 
 
