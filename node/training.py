@@ -137,6 +137,8 @@ class TrainingService:
             checkpoint_path=self._checkpoint_path,
             device=self._device,
             compile=config.compile,
+            # Without a shard of its own every node reads the whole corpus: draw other batches.
+            batch_seed=None if config.num_shards > 1 else int.from_bytes(self._host.peer_id.encode()[-4:], "big"),
         )
         self._supervisor = Supervisor(worker_config, self._session, log_path=self._log_path)
         await self._train(self._supervisor)

@@ -47,7 +47,7 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         shard,
         inner=InnerConfig(**config.inner),
         outer=OuterConfig(**config.outer),
-        seed=config.node_index,
+        seed=config.node_index if config.batch_seed is None else config.batch_seed,
         compression=config.compression,
         device=device,
         compile_model=config.compile == "on" or (config.compile == "auto" and device == "cuda"),

@@ -32,6 +32,9 @@ class WorkerConfig:
     """Text file or folder; the embedded corpus when None."""
     seed: int = 0
     """Initial weights: the same on every node of a run."""
+    batch_seed: int | None = None
+    """Which batches this node draws; None: its shard index. Nodes that share a shard
+    (no --data-shard) need distinct ones, or they would all train on the same batches."""
     threads: int = 1
     """torch threads: several workers share a CPU in a simulation."""
     device: str = "cpu"
@@ -52,6 +55,7 @@ class WorkerConfig:
             "num_nodes": self.num_nodes,
             "data_path": self.data_path,
             "seed": self.seed,
+            "batch_seed": self.batch_seed,
         }
 
     def __post_init__(self) -> None:
