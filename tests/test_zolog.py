@@ -1,0 +1,126 @@
+"""The ZO update log: signed batches, and everything it must refuse."""
+
+import contextlib
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import zolog
+from protocol.errors import BadMessage
+from protocol.host import peer_id_from_seed
+
+RUN = "zo-run-abcdef"
+ALICE, BOB, MALLORY = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
+MEMBERS = {zolog.peer_id_of(ALICE), zolog.peer_id_of(BOB)}
+
+
+def log() -> zolog.UpdateLog:
+    return zolog.UpdateLog(RUN, is_member=MEMBERS.__contains__)
+
+
+def wire(batch: zolog.Batch) -> zolog.Batch:
+    """Through the bytes and back, as a peer would receive it."""
+    return zolog.decode_batch(batch.encode(), RUN)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.binary(min_size=32, max_size=32))
+def test_peer_ids_match_libp2ps_without_importing_it(seed: bytes) -> None:
+    assert zolog.peer_id_of(seed) == peer_id_from_seed(seed)
+
+
+@given(
+    st.lists(st.integers(min_value=1, max_value=1000), min_size=1, max_size=50),
+    st.integers(min_value=0, max_value=10**6),
+    st.binary(min_size=50, max_size=50),
+)
+def test_batches_round_trip(steps: list[int], start: int, g: bytes) -> None:
+    rounds = [start + sum(steps[: i + 1]) for i in range(len(steps))]
+    batch = zolog.sign_batch(ALICE, RUN, 7, rounds, g[: len(rounds)])
+    assert wire(batch) == batch
+    assert [e.seq for e in batch.entries()] == list(range(7, 7 + len(rounds)))
+
+
+def test_bytes_per_update() -> None:
+    # One signature is shared by the batch: ≈ 7 bytes per update at 32, ≈ 3 at 256.
+    for size, bound in ((1, 170), (32, 8), (256, 3)):
+        batch = zolog.sign_batch(ALICE, RUN, 0, list(range(size)), bytes(size))
+        assert len(batch.encode()) / size <= bound
+
+
+def tampered(batch: zolog.Batch, **fields: object) -> bytes:
+    msg = msgpack.unpackb(batch.encode(), raw=False)
+    msg.update(fields)
+    return msgpack.packb(msg, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_forged_unsigned_and_foreign_batches_are_refused() -> None:
+    batch = zolog.sign_batch(ALICE, RUN, 0, [1, 2, 3], b"\x01\x02\x03")
+    for raw, reason in [
+        (tampered(batch, g=b"\x01\x02\x7f"), "signature"),  # a changed g
+        (tampered(batch, first_seq=1), "signature"),  # moved along the chain
+        (tampered(batch, sig=bytes(64)), "signature"),  # unsigned
+        (tampered(batch, peer=zolog.peer_id_of(BOB)), "signature"),  # claims another author
+        (tampered(batch, sig=b"short"), "signature length"),
+        (b"\x93garbage", "wrong fields|undecodable"),
+    ]:
+        with pytest.raises(BadMessage, match=reason):
+            zolog.decode_batch(raw, RUN)
+    with pytest.raises(BadMessage, match="signature"):
+        zolog.decode_batch(batch.encode(), "another-run-abcdef")  # replayed into another run
+
+
+def test_non_increasing_rounds_are_refused_even_when_signed() -> None:
+    rounds = zolog._encode_rounds((5,)) + b"\x00"  # a second entry with delta 0: round 5 again
+    signature = Ed25519PrivateKey.from_private_bytes(ALICE).sign(
+        zolog._signed_bytes(RUN, zolog.peer_id_of(ALICE), 0, rounds, b"\x01\x02")
+    )
+    raw = msgpack.packb(
+        {"v": 1, "peer": zolog.peer_id_of(ALICE), "first_seq": 0, "rounds": rounds, "g": b"\x01\x02", "sig": signature},
+        use_bin_type=True,
+    )
+    with pytest.raises(BadMessage, match="increase"):
+        zolog.decode_batch(raw, RUN)
+
+
+def test_unknown_peers_far_future_rounds_and_equivocation_are_refused() -> None:
+    updates = log()
+    with pytest.raises(BadMessage, match="not a member"):
+        updates.add(wire(zolog.sign_batch(MALLORY, RUN, 0, [1], b"\x01")), max_round=10)
+    with pytest.raises(BadMessage, match="beyond"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [11], b"\x01")), max_round=10)
+    assert len(updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [1, 2], b"\x01\x02")), max_round=10)) == 2
+    with pytest.raises(BadMessage, match="two different entries"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 1, [2], b"\x09")), max_round=10)
+    with pytest.raises(BadMessage, match="increase"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 2, [2], b"\x09")), max_round=10)
+    assert updates.vector() == {zolog.peer_id_of(ALICE): 2}
+
+
+def test_replays_add_nothing_and_gaps_wait_for_their_fill() -> None:
+    updates = log()
+    first = wire(zolog.sign_batch(ALICE, RUN, 0, [1, 2], b"\x01\x02"))
+    later = wire(zolog.sign_batch(ALICE, RUN, 2, [3, 4], b"\x03\x04"))
+    assert updates.add(later, max_round=10) == []  # seq 2 before 0 and 1: kept aside
+    assert [e.seq for e in updates.add(first, max_round=10)] == [0, 1, 2, 3]
+    assert updates.add(first, max_round=10) == [] and updates.add(later, max_round=10) == []
+    assert updates.next_seq(zolog.peer_id_of(ALICE)) == 4
+    assert updates.batches_after(zolog.peer_id_of(ALICE), 3) == [later]
+
+
+def test_the_canonical_order_is_round_then_peer_then_seq() -> None:
+    updates = log()
+    updates.add(wire(zolog.sign_batch(BOB, RUN, 0, [1, 2], b"\x0b\x0c")), max_round=10)
+    updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [2, 3], b"\x01\x02")), max_round=10)
+    order = [(e.round, e.peer_id) for e in updates.ordered(below_round=3)]
+    assert order == sorted(order) and len(order) == 3  # round 3 not yet included
+    assert zolog.seed_of(RUN, "a", 1) != zolog.seed_of(RUN, "a", 2) != zolog.seed_of(RUN, "b", 1)
+
+
+@given(st.binary(max_size=400))
+def test_garbage_never_escapes_as_another_error(raw: bytes) -> None:
+    with contextlib.suppress(BadMessage):
+        zolog.decode_batch(raw, RUN)
