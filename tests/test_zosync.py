@@ -1,0 +1,72 @@
+"""Pulling the ZO log between real hosts on loopback, and refusing a lying holder."""
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import msgpack
+import pytest
+import trio
+
+from protocol import wire, zolog, zosync
+from protocol.errors import BadMessage
+from protocol.host import Host, Stream, open_host, parse_dial_addr
+from protocol.peers import PeerTable
+
+pytestmark = pytest.mark.integration
+RUN = "zo-run-abcdef"
+SEEDS = [bytes([i + 1]) * 32 for i in range(3)]
+MEMBERS = {zolog.peer_id_of(s) for s in SEEDS}
+
+
+@asynccontextmanager
+async def hosts(count: int) -> AsyncIterator[list[tuple[Host, zosync.ZoLogSync]]]:
+    async with AsyncExitStack() as stack:
+        out = []
+        for seed in SEEDS[:count]:
+            host = await stack.enter_async_context(
+                open_host(identity_seed=seed, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+            )
+            sync = zosync.ZoLogSync(
+                host, PeerTable(ttl_s=60), zolog.UpdateLog(RUN, is_member=MEMBERS.__contains__), current_round=lambda: 0
+            )
+            sync.register()
+            out.append((host, sync))
+        for i, (host, _) in enumerate(out):
+            for other, _ in out[i + 1 :]:
+                await host.connect(parse_dial_addr(other.addrs()[0]), timeout_s=5)
+        yield out
+
+
+async def test_a_pull_brings_every_signed_batch_beyond_our_vector() -> None:
+    async with hosts(3) as [(_, a), (_, b), (_, c)]:
+        for seed, first, rounds in [(SEEDS[0], 0, [1, 2]), (SEEDS[0], 2, [3]), (SEEDS[1], 0, [1, 2, 3])]:
+            a.add(zolog.sign_batch(seed, RUN, first, rounds, bytes(len(rounds))))
+        c.add(zolog.sign_batch(SEEDS[0], RUN, 0, [1, 2], b"\x00\x00"))  # c already has some
+        with trio.fail_after(30):
+            assert await c.pull(a._host.peer_id) == 4
+            assert await c.pull(a._host.peer_id) == 0  # nothing new the second time
+            assert await b.pull(c._host.peer_id) == 6  # b had none: all of them, through c
+        assert (
+            b.log.vector()
+            == c.log.vector()
+            == a.log.vector()
+            == {zolog.peer_id_of(SEEDS[0]): 3, zolog.peer_id_of(SEEDS[1]): 3}
+        )
+        assert list(c.log.ordered(below_round=10)) == list(a.log.ordered(below_round=10))
+
+
+async def test_a_holder_serving_a_forged_batch_is_refused_and_penalized() -> None:
+    async with hosts(2) as [(liar_host, _), (_, puller)]:
+        genuine = zolog.sign_batch(SEEDS[0], RUN, 0, [1], b"\x05")
+        forged = msgpack.unpackb(genuine.encode(), raw=False)
+        forged["g"] = b"\x7f"  # the author never signed this g
+
+        async def lie(stream: Stream) -> None:
+            await wire.receive(stream, msg_types=frozenset({"want"}), version=1, max_nbytes=1 << 20)
+            await wire.send(stream, "batches", 1, {"batches": [msgpack.packb(forged)], "more": False})
+
+        liar_host.set_handler(zosync.PROTOCOL_ID, lie)
+        with trio.fail_after(30), pytest.raises(BadMessage, match="signature"):
+            await puller.pull(liar_host.peer_id)
+        assert puller.log.vector() == {}
+        assert puller._peers.penalty(liar_host.peer_id) > 0
