@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression", choices=COMPRESSIONS, default="none", help="outer payload encoding (default none)"
     )
     sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
+    sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     return parser
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     compression=args.compression,
                     plot_path=args.plot,
                     kill_after_s=args.kill_after_s,
+                    late_join=args.late_join,
                 )
                 return simulate(options)
     except ConfigError as exc:

@@ -118,6 +118,7 @@ class Daemon:
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
                         checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),
                         device=detect_device(self.config.device),
+                        identity_seed=self.seed,
                     )
                     await nursery.start(self.training.run)
             self.discovery = Discovery(

@@ -11,7 +11,9 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
          and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s",
-         "train_wall_s", "utilization" (compute_s / train_wall_s)}]}
+         "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
+         and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
+         "bytes_per_update", "log_entries", "rebuilds", "start_round"}]}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
 first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
@@ -60,6 +62,8 @@ class SimulationOptions:
     compression: str = "none"
     plot_path: Path | None = None
     """Draw the loss curves of all nodes into this PNG."""
+    late_join: bool = False
+    """Start the last node only once the others are a quarter of the way through their rounds."""
     kill_after_s: float | None = None
     """Kill the last node (SIGKILL) this long after training starts: the others must finish."""
 
@@ -182,15 +186,20 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         boot_status = await _wait_for_api(boot)
         run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
         print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
+        late: tuple[str, list[str]] | None = None
         for i in range(options.num_nodes):
             flags = ["--bootstrap", boot_addr, "--run", run_id, *options.training_flags(i)]
-            nodes.append(_start(f"n{i}", base, flags))
+            if options.late_join and i == options.num_nodes - 1:
+                late = (f"n{i}", flags)  # started once the others are half way through
+            else:
+                nodes.append(_start(f"n{i}", base, flags))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
         last_print = -1e9
         assert options.timeout_s is not None
         stop_reason = f"not {'converged' if options.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
         killed: set[str] = set()
+        late_names: set[str] = set()
         with trio.move_on_after(options.timeout_s):
             while True:
                 async with trio.open_nursery() as nursery:
@@ -212,6 +221,13 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 elif now - last_print >= 2.0:
                     print(_render(nodes, now - start, expected_peers), flush=True)
                     last_print = now
+                if late is not None and all(
+                    (n.status.get("training") or {}).get("rounds", 0) >= options.rounds // 4 for n in nodes[1:]
+                ):
+                    print(f"starting {late[0]} late, as asked (the others are a quarter of the way)", flush=True)
+                    nodes.append(_start(late[0], base, late[1]))
+                    late_names.add(late[0])
+                    late = None
                 victim = nodes[-1]
                 if (
                     options.kill_after_s is not None
@@ -226,10 +242,12 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 if exited:
                     stop_reason = f"{', '.join(exited)} exited early"
                     break
-                if converged_at is None and all(n.converged_s is not None for n in nodes):
+                if converged_at is None and late is None and all(n.converged_s is not None for n in nodes):
                     converged_at = now
-                trained = options.algorithm == "none" or all(
-                    (n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed
+                trained = options.algorithm == "none" or (
+                    late is None
+                    and all((n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed)
+                    and _zo_settled(options, [n for n in nodes[1:] if n.name not in killed])
                 )
                 if converged_at is not None and trained and now - converged_at >= options.linger_s:
                     stop_reason = "converged" if options.algorithm == "none" else "trained"
@@ -246,6 +264,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     report = _report(nodes, wall_s)
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
+        entry["late_join"] = entry["name"] in late_names
     return {**report, "stop_reason": stop_reason}
 
 
@@ -281,12 +300,29 @@ TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
 )
+ZO_REPORT_KEYS = ("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round")
+
+
+def _zo_settled(options: SimulationOptions, nodes: list[_Node]) -> bool:
+    """ZO runs end when every node holds the same log and has applied all of it (late
+    updates keep arriving after the last round; the final weights follow them)."""
+    if options.algorithm != "zo":
+        return True
+    views = {
+        (
+            (n.status.get("training") or {}).get("log_entries"),
+            (n.status.get("training") or {}).get("log_entries_applied"),
+        )
+        for n in nodes
+    }
+    return len(views) == 1 and len({*next(iter(views))}) == 1
 
 
 def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
     if not training:
         return {}
-    return {key: training.get(key) for key in TRAINING_REPORT_KEYS}
+    keys = TRAINING_REPORT_KEYS + (ZO_REPORT_KEYS if training.get("algorithm") == "zo" else ())
+    return {key: training.get(key) for key in keys}
 
 
 def simulate(options: SimulationOptions) -> int:

@@ -75,7 +75,8 @@ class WorkerConnection:
     def attach(self, ready: dict[str, Any]) -> None:
         self.payload_nbytes = int(ready["payload_nbytes"])
         self.start_round = max(0, int(ready.get("round", 0)))
-        self.outbox, self.inbox = attach_block(str(ready["outbox"])), attach_block(str(ready["inbox"]))
+        if self.payload_nbytes > 0:  # zeroth-order workers have no payload blocks
+            self.outbox, self.inbox = attach_block(str(ready["outbox"])), attach_block(str(ready["inbox"]))
 
     def detach(self) -> None:
         for block in (self.outbox, self.inbox):

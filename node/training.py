@@ -24,6 +24,7 @@ from node.config import TrainingConfig
 from node.diloco import DilocoExchange
 from node.errors import ConfigError
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
+from node.zo import ZoRounds
 from protocol.data_channel import DataChannel
 from protocol.exchange import TensorReceiver
 from protocol.host import Host
@@ -96,6 +97,7 @@ class TrainingService:
         upload_limit_mbps: float = 0.0,
         checkpoint_path: str | None = None,
         device: str = "cpu",
+        identity_seed: bytes = b"",
     ) -> None:
         self._host = host
         self._peers = peers
@@ -106,6 +108,8 @@ class TrainingService:
         self._checkpoint_path = checkpoint_path
         self._device = device
         self._supervisor: Supervisor | None = None
+        self._zo: ZoRounds | None = None
+        self._identity_seed = identity_seed
         self.adopted = trio.Event()
         """Set once the run's settings are known (training or not)."""
         self.metrics = TrainingMetrics()
@@ -140,8 +144,55 @@ class TrainingService:
             # Without a shard of its own every node reads the whole corpus: draw other batches.
             batch_seed=None if config.num_shards > 1 else int.from_bytes(self._host.peer_id.encode()[-4:], "big"),
         )
+        if config.algorithm == "zo":
+            self._zo = ZoRounds(
+                self._host,
+                self._peers,
+                run_id=self._state.run_id,
+                identity_seed=self._identity_seed,
+                rounds=config.rounds,
+                updates_per_round=config.steps_per_round,
+                partners=self._partners,
+                is_member=lambda peer_id: peer_id in self._state.members,
+                wait_s=config.pair_timeout_s,
+            )
+            self._zo.register()
+            self._supervisor = Supervisor(worker_config, self._zo_session, log_path=self._log_path)
+            await self._train_zo(self._zo, self._supervisor)
+            return
         self._supervisor = Supervisor(worker_config, self._session, log_path=self._log_path)
         await self._train(self._supervisor)
+
+    async def _train_zo(self, zo: ZoRounds, supervisor: Supervisor) -> None:
+        """Runs until the node stops: after the last round the log is still followed."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(zo.pull_forever)
+            await supervisor.run()
+            nursery.cancel_scope.cancel()
+
+    async def _zo_session(self, worker: WorkerConnection) -> None:
+        assert self._zo is not None
+        if self._first_ready is None:
+            self._first_ready = trio.current_time()
+
+        def on_step(step: dict[str, Any]) -> None:
+            point = [float(step["round"]), float(step["val_loss"])]
+            if step.get("final"):  # the final weights changed: late updates arrived
+                self.metrics.loss_curve[-1:] = [point]
+                return
+            self.metrics.rounds += 1
+            self.metrics.loss_curve.append(point)
+            self.metrics.compute_s += float(step.get("compute_s", 0.0))
+            self.metrics.train_wall_s = trio.current_time() - (self._first_ready or 0.0)
+
+        def on_finished() -> None:
+            assert self._zo is not None and self._zo.final_val_loss is not None
+            self.metrics.loss_curve.append([float(self._config.rounds), self._zo.final_val_loss])
+            self.metrics.finished = True
+
+        self.metrics.rounds = 0
+        self.metrics.loss_curve.clear()
+        await self._zo.session(worker, on_step, on_finished)
 
     async def _train(self, supervisor: Supervisor) -> None:
         channel = DataChannel(self._listen_ip)
@@ -183,6 +234,7 @@ class TrainingService:
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,
             "finished": m.finished,
             "worker_starts": self._supervisor.num_starts,
+            **(self._zo.status() if self._zo else {}),
         }
 
     def _partners(self) -> list[str]:

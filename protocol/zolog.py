@@ -1,21 +1,22 @@
 """The zeroth-order update log: each peer's signed chain of (round, g) entries.
 
-A ZO update is fully described by who made it, for which round, and one byte of g: the
-seed is not chosen by the peer but derived, ``seed_of(run, peer, round)``, so it costs no
-bytes and cannot be ground for a lucky perturbation. Each peer numbers its entries 0, 1,
-2, … (rounds strictly increasing along its chain) and publishes them in **batches** signed
+A ZO update is fully described by who made it, for which round, its place in the author's
+chain, and one byte of g: the seed is not chosen by the peer but derived,
+``seed_of(run, peer, round, seq)``, so it costs no bytes and cannot be ground for a lucky
+perturbation. Each peer numbers its entries 0, 1, 2, … (rounds never decreasing along its
+chain: a round may hold several of its updates) and publishes them in **batches** signed
 with its node key (ed25519; the public key is inside its peer id, so anyone can check a
 batch without asking). One signature covers a whole batch, so its 64 bytes are shared by
-every entry in it.
+every entry in it: a node that makes H updates per round publishes them as one batch.
 
 Wire form of a batch (msgpack map): {v: 1, peer, first_seq, rounds: bytes (varint deltas:
-first round, then increments ≥ 1), g: bytes (one byte per entry), sig}. The signature is
+first round, then increments ≥ 0), g: bytes (one byte per entry), sig}. The signature is
 over msgpack(["swarmtrain/zo-log/1", run_id, peer, first_seq, rounds, g]).
 
 What ``UpdateLog.add`` refuses (``BadMessage``, nothing stored): a bad or missing
 signature (forged or unsigned), a peer that is not a member of the run, a batch whose
 entries contradict ones we hold for the same sequence numbers (equivocation), rounds that
-do not increase or lie too far ahead, malformed fields. A batch we already hold adds
+decrease or lie too far ahead, malformed fields. A batch we already hold adds
 nothing (a replay is harmless); a batch that starts past our next sequence number for
 that peer is kept aside (bounded) until the gap is filled by a pull.
 
@@ -42,6 +43,11 @@ SIGNATURE_NBYTES = 64
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 # identity multihash (0x00, 36 bytes) of protobuf PublicKey{Type: Ed25519 (1), Data: 32 bytes}
 _ED25519_PEER_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
+
+
+class UnknownAuthor(BadMessage):
+    """A batch signed by a peer we do not (yet) know as a member: not the sender's fault
+    when it merely forwards it (our member list may lag), so it is skipped, not punished."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -81,9 +87,9 @@ class Batch:
         return body
 
 
-def seed_of(run_id: str, peer_id: str, round_index: int) -> int:
-    """The 64-bit perturbation seed of a peer's update for a round."""
-    material = "\0".join(("swarmtrain-zo-seed", run_id, peer_id, str(round_index))).encode()
+def seed_of(run_id: str, peer_id: str, round_index: int, seq: int) -> int:
+    """The 64-bit perturbation seed of a peer's update number ``seq`` (made in a round)."""
+    material = "\0".join(("swarmtrain-zo-seed", run_id, peer_id, str(round_index), str(seq))).encode()
     return int.from_bytes(hashlib.sha256(material).digest()[:8], "big")
 
 
@@ -147,8 +153,6 @@ def _decode_rounds(data: bytes, count: int) -> tuple[int, ...]:
         if shift > 63:
             raise BadMessage("round varint too long")
         if not byte & 0x80:
-            if rounds and value < 1:
-                raise BadMessage("rounds must increase along a chain")
             rounds.append(value if not rounds else rounds[-1] + value)
             value = shift = 0
     if shift or len(rounds) != count:
@@ -167,8 +171,8 @@ def sign_batch(seed: bytes, run_id: str, first_seq: int, rounds: list[int], g_co
     """Our own entries ``first_seq``… as a signed batch."""
     if not 0 < len(rounds) == len(g_codes) <= MAX_BATCH:
         raise ValueError(f"a batch holds 1 to {MAX_BATCH} entries, one g byte each")
-    if any(b <= a for a, b in itertools.pairwise(rounds)) or rounds[0] < 0:
-        raise ValueError("rounds must be non-negative and increasing")
+    if any(b < a for a, b in itertools.pairwise(rounds)) or rounds[0] < 0:
+        raise ValueError("rounds must be non-negative and never decrease")
     peer_id = peer_id_of(seed)
     encoded = _encode_rounds(tuple(rounds))
     signature = Ed25519PrivateKey.from_private_bytes(seed).sign(
@@ -215,6 +219,14 @@ class UpdateLog:
     def next_seq(self, peer_id: str) -> int:
         return len(self._chains.get(peer_id, ()))
 
+    def last_round(self, peer_id: str) -> int:
+        """The round of a peer's newest entry we hold; -1 if none."""
+        chain = self._chains.get(peer_id)
+        return chain[-1].round if chain else -1
+
+    def max_round(self) -> int:
+        return max((chain[-1].round for chain in self._chains.values() if chain), default=-1)
+
     def vector(self) -> dict[str, int]:
         """How many entries we hold per peer: what a pull asks beyond."""
         return {peer: len(chain) for peer, chain in self._chains.items()}
@@ -222,7 +234,7 @@ class UpdateLog:
     def add(self, batch: Batch, *, max_round: int) -> list[Entry]:
         """Take a verified batch; returns the entries that are new (in chain order)."""
         if not self._is_member(batch.peer_id):
-            raise BadMessage(f"{batch.peer_id} is not a member of run {self.run_id}")
+            raise UnknownAuthor(f"{batch.peer_id} is not a member of run {self.run_id}")
         if batch.rounds[-1] > max_round:
             raise BadMessage(f"entry for round {batch.rounds[-1]}, beyond {max_round}")
         chain = self._chains.setdefault(batch.peer_id, [])
@@ -236,8 +248,8 @@ class UpdateLog:
                 pending[batch.first_seq] = batch
             return []
         fresh = [e for e in entries if e.seq >= len(chain)]
-        if fresh and chain and fresh[0].round <= chain[-1].round:
-            raise BadMessage(f"{batch.peer_id}'s rounds do not increase along its chain")
+        if fresh and chain and fresh[0].round < chain[-1].round:
+            raise BadMessage(f"{batch.peer_id}'s rounds decrease along its chain")
         chain.extend(fresh)
         if fresh:
             self._batches.setdefault(batch.peer_id, []).append(batch)

@@ -62,6 +62,8 @@ class ZoLogSync:
         """A batch that came by gossip: verify and keep it; bad ones cost the sender."""
         try:
             self.add(zolog.decode_batch(raw, self.log.run_id))
+        except zolog.UnknownAuthor:
+            pass  # our member list may lag; a pull brings it again later
         except BadMessage as exc:
             if self._peers.penalize(peer_id, f"zo batch: {exc}"):
                 await self._host.disconnect(peer_id)
@@ -97,7 +99,10 @@ class ZoLogSync:
                 for raw in raws:
                     if not isinstance(raw, bytes):
                         raise BadMessage("a batch is not bytes")
-                    new += len(self.add(zolog.decode_batch(raw, self.log.run_id)))
+                    try:
+                        new += len(self.add(zolog.decode_batch(raw, self.log.run_id)))
+                    except zolog.UnknownAuthor as exc:
+                        logger.debug("skipped a batch from %s: %s", peer_id, exc)
                 more = reply.get("more") is True and new > 0
             except BadMessage as exc:
                 await stream.reset()

@@ -257,3 +257,19 @@ async def test_join_with_nobody_there_fails_clearly(short_tmp: Path, env: dict[s
     )
     assert await join.finish() == 1
     assert "could not learn the run" in join.output and "Traceback" not in join.output
+
+
+async def test_zo_nodes_and_a_late_joiner_end_bit_identical(short_tmp: Path, env: dict[str, str]) -> None:
+    args = ("--nodes", "3", "--algorithm", "zo", "--model", "micro", "--rounds", "16", "--inner-steps", "10")
+    report, _ = await simulate(short_tmp, env, *args, "--late-join")
+    assert report["algorithm"] == "zo" and report["stop_reason"] == "trained"
+    nodes = report["nodes"]
+    late = [n for n in nodes if n["late_join"]]
+    assert len(late) == 1 and late[0]["start_round"] > 0  # it replayed the log, then joined in
+    assert len({n["param_hash"] for n in nodes}) == 1 and len(nodes[0]["param_hash"]) == 64
+    for node in nodes:
+        if not node["late_join"]:
+            assert node["loss_curve"][-1][1] < node["loss_curve"][0][1]  # ZO training lowers the loss
+        # One signed batch of 10 one-byte updates per round: ≈ 18 bytes each on the wire.
+        assert node["bytes_per_update"] < 20
+    assert nodes[0]["loss_curve"][-1][1] < 5.0  # from ≈ 5.1 at the first round

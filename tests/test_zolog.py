@@ -4,7 +4,6 @@ import contextlib
 
 import msgpack
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,17 +72,17 @@ def test_forged_unsigned_and_foreign_batches_are_refused() -> None:
         zolog.decode_batch(batch.encode(), "another-run-abcdef")  # replayed into another run
 
 
-def test_non_increasing_rounds_are_refused_even_when_signed() -> None:
-    rounds = zolog._encode_rounds((5,)) + b"\x00"  # a second entry with delta 0: round 5 again
-    signature = Ed25519PrivateKey.from_private_bytes(ALICE).sign(
-        zolog._signed_bytes(RUN, zolog.peer_id_of(ALICE), 0, rounds, b"\x01\x02")
-    )
-    raw = msgpack.packb(
-        {"v": 1, "peer": zolog.peer_id_of(ALICE), "first_seq": 0, "rounds": rounds, "g": b"\x01\x02", "sig": signature},
-        use_bin_type=True,
-    )
-    with pytest.raises(BadMessage, match="increase"):
-        zolog.decode_batch(raw, RUN)
+def test_several_updates_in_one_round_share_a_batch_and_rounds_never_go_back() -> None:
+    batch = wire(zolog.sign_batch(ALICE, RUN, 0, [4, 4, 4, 5], b"\x01\x02\x03\x04"))
+    assert [e.round for e in batch.entries()] == [4, 4, 4, 5]
+    with pytest.raises(ValueError, match="never decrease"):
+        zolog.sign_batch(ALICE, RUN, 0, [5, 4], b"\x01\x02")
+    # The wire form cannot say "decrease" (deltas are unsigned); a later batch can, and is refused.
+    updates = log()
+    updates.add(batch, max_round=10)
+    with pytest.raises(BadMessage, match="decrease"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 4, [3], b"\x01")), max_round=10)
+    assert len({zolog.seed_of(RUN, e.peer_id, e.round, e.seq) for e in batch.entries()}) == 4
 
 
 def test_unknown_peers_far_future_rounds_and_equivocation_are_refused() -> None:
@@ -95,8 +94,8 @@ def test_unknown_peers_far_future_rounds_and_equivocation_are_refused() -> None:
     assert len(updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [1, 2], b"\x01\x02")), max_round=10)) == 2
     with pytest.raises(BadMessage, match="two different entries"):
         updates.add(wire(zolog.sign_batch(ALICE, RUN, 1, [2], b"\x09")), max_round=10)
-    with pytest.raises(BadMessage, match="increase"):
-        updates.add(wire(zolog.sign_batch(ALICE, RUN, 2, [2], b"\x09")), max_round=10)
+    with pytest.raises(BadMessage, match="decrease"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 2, [1], b"\x09")), max_round=10)
     assert updates.vector() == {zolog.peer_id_of(ALICE): 2}
 
 
@@ -117,7 +116,7 @@ def test_the_canonical_order_is_round_then_peer_then_seq() -> None:
     updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [2, 3], b"\x01\x02")), max_round=10)
     order = [(e.round, e.peer_id) for e in updates.ordered(below_round=3)]
     assert order == sorted(order) and len(order) == 3  # round 3 not yet included
-    assert zolog.seed_of(RUN, "a", 1) != zolog.seed_of(RUN, "a", 2) != zolog.seed_of(RUN, "b", 1)
+    assert zolog.seed_of(RUN, "a", 1, 0) != zolog.seed_of(RUN, "a", 2, 0) != zolog.seed_of(RUN, "b", 1, 0)
 
 
 @given(st.binary(max_size=400))

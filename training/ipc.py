@@ -16,6 +16,14 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                  ◀── {t: "accumulated", round, ok}
     {t: "outer_go", round, key}     ──▶ (``key``: ours; Δs are averaged in key order, so
                                         every node sums in the same order, bit for bit)
+    Zeroth-order runs (algorithm "zo") use no shared memory (payload_nbytes 0):
+    {t: "zo_apply", rebuild, updates: [[seed, g code], ...]} ──▶ apply logged updates in
+                                        this order (rebuild: from the genesis weights)
+    {t: "zo_go", round, seeds}   ──▶ (one update per seed, all at this round's weights)
+                                 ◀── {t: "zo_step", round, g_codes, val_loss, compute_s}
+    {t: "zo_finish"}             ──▶
+                                 ◀── {t: "zo_done", param_hash, val_loss}
+
     {t: "stop"}                  ──▶ the worker exits 0
 
 No torch here: the daemon imports this module and never imports torch. Tensors move
@@ -31,8 +39,8 @@ VERSION = 1
 LENGTH_NBYTES = 4
 # Control messages are small; a larger frame means a bug or a corrupted pipe.
 MAX_FRAME_NBYTES = 1 << 20
-WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "accumulated", "error"})
-DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop"})
+WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "accumulated", "error", "zo_step", "zo_done"})
+DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish"})
 
 
 class IpcError(Exception):

@@ -13,13 +13,14 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-from training import checkpoint, data, ipc
+from training import checkpoint, data, ipc, zo
 from training.models import GPT, GPTConfig, preset
 from training.noloco import OuterConfig
 from training.trainer import InnerConfig, PayloadRejected, Trainer
@@ -85,6 +86,9 @@ def save(config: WorkerConfig, trainer: Trainer) -> None:
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
     trainer = build_trainer(config)
+    if config.algorithm == "zo":
+        _zo_rounds(config, trainer, commands, replies)
+        return
     resume(config, trainer)
     nbytes = trainer.payload_nbytes
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
@@ -160,6 +164,90 @@ def _rounds(
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:
         del out_view, in_view
+
+
+MAX_UPDATES_PER_MESSAGE = 20_000
+
+
+def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
+    raw = command.get("updates")
+    if not isinstance(raw, list) or len(raw) > MAX_UPDATES_PER_MESSAGE:
+        raise ipc.IpcError("zo_apply without a list of updates")
+    updates: list[tuple[int, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(type(v) is int for v in item)):
+            raise ipc.IpcError("an update is [seed, g code]")
+        seed, code = item
+        if not (0 <= seed < 1 << 64 and 0 <= code <= 0xFF):
+            raise ipc.IpcError("update out of range")
+        updates.append((seed, code))
+    return updates
+
+
+def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: zo.ZoConfig, step: int, seed: int) -> int:
+    """One update: g by SPSA on this step's batch, as one byte."""
+    batch = trainer.shard.batch(batch_size=trainer.inner.batch_size, seed=trainer.seed, step=step)
+
+    def loss() -> float:
+        return float(trainer.model.loss(*batch).item())
+
+    with torch.no_grad():
+        g = zo.spsa(params, loss, seed, config.eps)
+    try:
+        return zo.encode_g(g, config.g_max)
+    except ValueError:
+        logger.warning("step %d: g is %s; publishing g = 0", step, g)
+        return 0
+
+
+def _zo_step(
+    trainer: Trainer, params: Sequence[torch.Tensor], config: zo.ZoConfig, round_index: int, seeds: list[int]
+) -> dict[str, Any]:
+    """Our updates for a round: one per seed, all at this round's weights (the log applies
+    them, with everyone's, before the next round)."""
+    started = time.perf_counter()
+    codes = [_zo_g(trainer, params, config, round_index * len(seeds) + k, s) for k, s in enumerate(seeds)]
+    compute_s = time.perf_counter() - started
+    return {
+        "round": round_index,
+        "g_codes": codes,
+        "val_loss": trainer.val_loss(),
+        "compute_s": compute_s,
+    }
+
+
+def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
+    """Zeroth-order mode: the daemon says which logged updates to apply (one message per
+    round of the log, in the canonical order: one message is one summed group, so the
+    grouping is part of the arithmetic) and asks for our own updates of a round; the
+    weights are the genesis weights plus the applied log, never anything else."""
+    zo_config = zo.ZoConfig(**config.zo)
+    params = list(trainer.model.parameters())
+    genesis = [p.detach().clone() for p in params]
+    trainer.model.eval()
+    ipc.write_blocking(replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0)
+    while True:
+        command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+        kind = command["t"]
+        if kind == "stop":
+            return
+        if kind == "zo_apply":
+            if command.get("rebuild") is True:
+                with torch.no_grad():
+                    for param, start in zip(params, genesis, strict=True):
+                        param.copy_(start)
+            zo.apply_updates(params, _updates(command), zo_config)
+        elif kind == "zo_go":
+            round_index, seeds = command.get("round"), command.get("seeds")
+            if type(round_index) is not int or round_index < 0 or not isinstance(seeds, list) or not seeds:
+                raise ipc.IpcError("zo_go needs a round and a list of seeds")
+            if len(seeds) > 4096 or not all(type(s) is int and 0 <= s < 1 << 64 for s in seeds):
+                raise ipc.IpcError("zo_go seeds must be 64-bit integers (at most 4096)")
+            ipc.write_blocking(replies, "zo_step", **_zo_step(trainer, params, zo_config, round_index, seeds))
+        elif kind == "zo_finish":
+            ipc.write_blocking(replies, "zo_done", param_hash=zo.param_hash(params), val_loss=trainer.val_loss())
+        else:
+            raise ipc.IpcError(f"{kind!r} in zo mode")
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-ALGORITHMS = ("noloco", "diloco", "local")
+ALGORITHMS = ("noloco", "diloco", "local", "zo")
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
 DEVICES = ("cpu", "cuda")
@@ -28,6 +28,8 @@ class WorkerConfig:
     """InnerConfig fields."""
     outer: dict[str, float] = field(default_factory=dict)
     """OuterConfig fields."""
+    zo: dict[str, float] = field(default_factory=dict)
+    """ZoConfig fields (algorithm zo)."""
     data_path: str | None = None
     """Text file or folder; the embedded corpus when None."""
     seed: int = 0

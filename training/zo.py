@@ -16,6 +16,7 @@ bytes and every peer applies every update (kernels/zo_apply.py) in one agreed or
 """
 
 import decimal
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,9 +45,9 @@ MAGNITUDES = _table()
 class ZoConfig:
     eps: float = 1e-3
     """Perturbation size ε."""
-    lr: float = 1e-3
+    lr: float = 3e-3
     """Step size of θ ← θ − lr·g·z."""
-    g_max: float = 8.0
+    g_max: float = 16.0
     """Largest |g| a one-byte scalar can carry; larger ones saturate."""
 
     def __post_init__(self) -> None:
@@ -102,6 +103,14 @@ def _restore(params: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> No
 def step_seed(run_seed: int, peer_index: int, step: int) -> int:
     """A 64-bit seed per (peer, step): distinct streams without coordination."""
     return (run_seed * 0x9E3779B97F4A7C15 + peer_index * 0xBF58476D1CE4E5B9 + step) % (1 << 64)
+
+
+def param_hash(params: Sequence[torch.Tensor]) -> str:
+    """SHA-256 of the weights (float32, C order, parameters in order): equal means bit-identical."""
+    digest = hashlib.sha256()
+    for param in params:
+        digest.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @torch.no_grad()

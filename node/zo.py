@@ -1,0 +1,198 @@
+"""Zeroth-order rounds over the network: the daemon's side of ``--algorithm zo``.
+
+Each round r the worker gets every logged update of rounds < r in the canonical order
+(protocol/zolog.py), computes H updates of its own (H = steps_per_round, each g for
+``seed_of(run, us, r, seq)``, all at the round's weights), and we sign them as one batch
+and add it to our log; peers pull it (protocol/zosync.py). One signature per round is
+shared by its H updates. The weights are therefore the genesis
+weights (the same initial seed on every node) plus the replayed log, on every node.
+
+Before round r we wait, bounded, until every live trainer that has published anything has
+published round r − 1, so that usually nothing arrives late. When something does arrive late (an entry that sorts
+before what the worker already applied), the worker rebuilds from the genesis weights and
+replays the whole log: the rule every node agrees on is that only the log counts, not
+when an entry arrived. A node that joins late replays the log it pulls and starts at the
+newest round it finds, so it ends bit-identical to the others.
+"""
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from node.supervisor import WorkerConnection, WorkerGone
+from protocol import zolog, zosync
+from protocol.errors import ProtocolError
+from protocol.host import Host
+from protocol.peers import PeerTable
+
+logger = logging.getLogger(__name__)
+
+PULL_INTERVAL_S = 0.25
+# One round's updates go to the worker in one message (training/worker.py takes 20,000).
+MAX_UPDATES_PER_ROUND = 20_000
+
+
+class ZoRounds:
+    def __init__(
+        self,
+        host: Host,
+        peers: PeerTable,
+        *,
+        run_id: str,
+        identity_seed: bytes,
+        rounds: int,
+        updates_per_round: int,
+        partners: Callable[[], list[str]],
+        is_member: Callable[[str], bool],
+        wait_s: float,
+    ) -> None:
+        self._host = host
+        self._run_id = run_id
+        self._identity_seed = identity_seed
+        self._rounds = rounds
+        self._updates_per_round = updates_per_round
+        self._partners = partners
+        self._wait_s = wait_s
+        self.round = 0
+        self.log = zolog.UpdateLog(run_id, is_member=is_member)
+        self.sync = zosync.ZoLogSync(host, peers, self.log, current_round=lambda: self.round)
+        self._applied: list[zolog.Entry] = []
+        self._own_seq = 0
+        self.bytes_published = 0
+        self.rebuilds = 0
+        self.param_hash: str | None = None
+        self.final_val_loss: float | None = None
+        self.start_round = 0
+
+    def register(self) -> None:
+        self.sync.register()
+
+    async def pull_forever(self) -> None:
+        """Anti-entropy: pull from every live trainer, again and again."""
+        while True:
+            for peer_id in self._partners():
+                try:
+                    await self.sync.pull(peer_id)
+                except ProtocolError as exc:
+                    logger.debug("zo log pull from %s: %s", peer_id, exc)
+            await trio.sleep(PULL_INTERVAL_S)
+
+    def status(self) -> dict[str, Any]:
+        published = self._own_seq
+        return {
+            "param_hash": self.param_hash,
+            "bytes_per_update": round(self.bytes_published / published, 2) if published else None,
+            "log_entries": sum(self.log.vector().values()),
+            "log_entries_applied": len(self._applied),
+            "rebuilds": self.rebuilds,
+            "start_round": self.start_round,
+        }
+
+    async def session(
+        self,
+        worker: WorkerConnection,
+        on_step: Callable[[dict[str, Any]], None],
+        on_finished: Callable[[], None],
+    ) -> None:
+        """Drive one worker from its genesis weights through the remaining rounds, then keep
+        following the log: an update for a past round that arrives after the end (a late
+        joiner's, a slow peer's) is applied too, and the final weights recomputed. Returns
+        only if the worker goes away."""
+        self._applied = []  # a new worker holds the genesis weights
+        await self._catch_up_once()
+        self.start_round = self.round = max(self.round, self.log.max_round() + 1 if self.log.max_round() >= 0 else 0)
+        for round_index in range(self.round, self._rounds):
+            self.round = round_index
+            await self._wait_for_round(round_index - 1)
+            await self._send_updates(worker, below_round=round_index)
+            seqs = range(self._own_seq, self._own_seq + self._updates_per_round)
+            seeds = [zolog.seed_of(self._run_id, self._host.peer_id, round_index, seq) for seq in seqs]
+            await worker.send("zo_go", round=round_index, seeds=seeds)
+            step = await worker.receive()
+            if step["t"] != "zo_step" or step.get("round") != round_index:
+                raise WorkerGone(f"expected zo_step for round {round_index}, got {step['t']!r}")
+            codes = step.get("g_codes")
+            if not (isinstance(codes, list) and len(codes) == len(seeds)) or not all(
+                type(c) is int and 0 <= c <= 0xFF for c in codes
+            ):
+                raise WorkerGone(f"worker sent g codes {str(codes)[:80]}")
+            batch = zolog.sign_batch(
+                self._identity_seed, self._run_id, self._own_seq, [round_index] * len(codes), bytes(codes)
+            )
+            self.sync.add(batch)
+            self._own_seq += len(codes)
+            self.bytes_published += len(batch.encode())
+            on_step(step)
+        self.round = self._rounds
+        await self._wait_for_round(self._rounds - 1)
+        await self._catch_up_once()
+        await self._finish(worker)
+        on_finished()
+        while True:
+            changed = self.sync.changed
+            if list(self.log.ordered(below_round=self._rounds)) != self._applied:
+                await self._finish(worker)
+                on_step({"round": self._rounds, "val_loss": self.final_val_loss, "final": True})
+            else:
+                await changed.wait()
+
+    async def _finish(self, worker: WorkerConnection) -> None:
+        await self._send_updates(worker, below_round=self._rounds)
+        await worker.send("zo_finish")
+        done = await worker.receive()
+        if done["t"] != "zo_done":
+            raise WorkerGone(f"expected zo_done, got {done['t']!r}")
+        self.param_hash = str(done.get("param_hash"))
+        self.final_val_loss = float(done.get("val_loss", 0.0))
+        logger.info("zo: %d log entries applied, weights %s", len(self._applied), self.param_hash[:16])
+
+    async def _catch_up_once(self) -> None:
+        for peer_id in self._partners():
+            try:
+                await self.sync.pull(peer_id)
+            except ProtocolError as exc:
+                logger.debug("zo log pull from %s: %s", peer_id, exc)
+
+    async def _wait_for_round(self, round_index: int) -> None:
+        """Until every producing live trainer's chain reaches ``round_index`` (bounded by ``wait_s``)."""
+        if round_index < 0:
+            return
+        with trio.move_on_after(self._wait_s):
+            while True:
+                changed = self.sync.changed
+                # Only peers already producing: one that is live but has published nothing
+                # yet is still starting (a late joiner replaying the log) or not training.
+                missing = [p for p in self._partners() if -1 < self.log.last_round(p) < round_index]
+                if not missing:
+                    return
+                with trio.move_on_after(PULL_INTERVAL_S):
+                    await changed.wait()
+        logger.info("round %d: going on without every peer's update (late ones are replayed)", round_index + 1)
+
+    async def _send_updates(self, worker: WorkerConnection, *, below_round: int) -> None:
+        """Bring the worker to genesis + every round < ``below_round`` of the log.
+
+        The arithmetic groups by round (kernels/zo_apply.py sums one round's updates, then
+        subtracts once), so a worker only ever applies whole rounds, one message each; if
+        what it holds is not a prefix of whole rounds of the log, it starts over.
+        """
+        canonical = list(self.log.ordered(below_round=below_round))
+        held = len(self._applied)
+        whole = held == len(canonical) or held == 0 or canonical[held].round > self._applied[-1].round
+        rebuild = canonical[:held] != self._applied or not whole
+        todo = canonical if rebuild else canonical[held:]
+        if rebuild:
+            self.rebuilds += 1
+            logger.info("zo: an entry arrived late; replaying %d entries from the genesis weights", len(todo))
+            if not todo:
+                await worker.send("zo_apply", rebuild=True, updates=[])
+        for i, (_, group) in enumerate(itertools.groupby(todo, key=lambda e: e.round)):
+            entries = list(group)
+            if len(entries) > MAX_UPDATES_PER_ROUND:
+                raise WorkerGone(f"a round of {len(entries)} updates is more than the worker takes at once")
+            updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), e.g_code] for e in entries]
+            await worker.send("zo_apply", rebuild=rebuild and i == 0, updates=updates)
+        self._applied = canonical

@@ -1,0 +1,63 @@
+"""The daemon's ZO rounds against a stand-in worker: whole rounds only, rebuild on late entries."""
+
+from typing import Any
+
+from node.zo import ZoRounds
+from protocol import zolog
+
+RUN = "zo-run-abcdef"
+SEEDS = [bytes([i + 1]) * 32 for i in range(3)]
+IDS = [zolog.peer_id_of(s) for s in SEEDS]
+
+
+class FakeHost:
+    peer_id = IDS[0]
+
+    def set_handler(self, protocol_id: str, handler: object) -> None:
+        pass
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, msg_type: str, **fields: Any) -> None:
+        self.sent.append({"t": msg_type, **fields})
+
+
+def rounds() -> ZoRounds:
+    return ZoRounds(
+        FakeHost(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        run_id=RUN,
+        identity_seed=SEEDS[0],
+        rounds=10,
+        updates_per_round=2,
+        partners=lambda: IDS[1:],
+        is_member=set(IDS).__contains__,
+        wait_s=1.0,
+    )
+
+
+def publish(zo: ZoRounds, who: int, first_seq: int, round_index: int) -> None:
+    zo.sync.add(zolog.sign_batch(SEEDS[who], RUN, first_seq, [round_index] * 2, bytes([who + 1, who + 2])))
+
+
+async def test_rounds_go_to_the_worker_whole_and_in_order_then_a_late_entry_rebuilds() -> None:
+    zo, worker = rounds(), FakeWorker()
+    publish(zo, 1, 0, 0)
+    publish(zo, 2, 0, 0)
+    publish(zo, 1, 2, 1)
+    await zo._send_updates(worker, below_round=2)  # type: ignore[arg-type]
+    assert [(m["rebuild"], len(m["updates"])) for m in worker.sent] == [(False, 4), (False, 2)]
+    worker.sent.clear()
+    publish(zo, 2, 2, 1)  # peer 2's round-1 updates arrive after round 1 was applied
+    await zo._send_updates(worker, below_round=2)  # type: ignore[arg-type]
+    assert [(m["rebuild"], len(m["updates"])) for m in worker.sent] == [(True, 4), (False, 4)]
+    assert zo.rebuilds == 1
+    worker.sent.clear()
+    publish(zo, 1, 4, 2)
+    await zo._send_updates(worker, below_round=3)  # type: ignore[arg-type]
+    assert [(m["rebuild"], len(m["updates"])) for m in worker.sent] == [(False, 2)]
+    # The seeds are the derived ones, in the canonical order (peer id, then seq, within a round).
+    assert worker.sent[0]["updates"] == [[zolog.seed_of(RUN, IDS[1], 2, seq), 2 + seq - 4] for seq in (4, 5)]
