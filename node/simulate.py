@@ -13,7 +13,8 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s",
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
          and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
-         "bytes_per_update", "log_entries", "rebuilds", "start_round"}]}
+         "bytes_per_update", "log_entries", "rebuilds", "start_round",
+         "checkpoint_round" (a late joiner: the round of the checkpoint it fetched)}]}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
 first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
@@ -300,7 +301,7 @@ TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
 )
-ZO_REPORT_KEYS = ("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round")
+ZO_REPORT_KEYS = ("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round")
 
 
 def _zo_settled(options: SimulationOptions, nodes: list[_Node]) -> bool:

@@ -16,6 +16,7 @@ report: the loss curve, bytes moved, and how the time split between compute and 
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -155,6 +156,7 @@ class TrainingService:
                 partners=self._partners,
                 is_member=lambda peer_id: peer_id in self._state.members,
                 wait_s=config.pair_timeout_s,
+                checkpoint_dir=Path(self._checkpoint_path).parent if self._checkpoint_path else None,
             )
             self._zo.register()
             self._supervisor = Supervisor(worker_config, self._zo_session, log_path=self._log_path)

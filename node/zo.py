@@ -15,15 +15,17 @@ when an entry arrived. A node that joins late replays the log it pulls and start
 newest round it finds, so it ends bit-identical to the others.
 """
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from node.supervisor import WorkerConnection, WorkerGone
-from protocol import zolog, zosync
+from protocol import zockpt, zolog, zosync
 from protocol.errors import ProtocolError
 from protocol.host import Host
 from protocol.peers import PeerTable
@@ -31,6 +33,9 @@ from protocol.peers import PeerTable
 logger = logging.getLogger(__name__)
 
 PULL_INTERVAL_S = 0.25
+# Every this many rounds the worker saves its weights as a checkpoint peers can fetch.
+CHECKPOINT_EVERY = 4
+MAX_CHECKPOINT_NBYTES = 8 << 30
 # One round's updates go to the worker in one message (training/worker.py takes 20,000).
 MAX_UPDATES_PER_ROUND = 20_000
 
@@ -48,6 +53,7 @@ class ZoRounds:
         partners: Callable[[], list[str]],
         is_member: Callable[[str], bool],
         wait_s: float,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         self._host = host
         self._run_id = run_id
@@ -66,9 +72,15 @@ class ZoRounds:
         self.param_hash: str | None = None
         self.final_val_loss: float | None = None
         self.start_round = 0
+        self.checkpoint_round: int | None = None
+        """The round of the checkpoint we started from (fetched from a peer), if any."""
+        self._checkpoint_dir = checkpoint_dir
+        self.checkpoints = zockpt.ZoCheckpoints(host, peers, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
+        self._saved: list[Path] = []
 
     def register(self) -> None:
         self.sync.register()
+        self.checkpoints.register()
 
     async def pull_forever(self) -> None:
         """Anti-entropy: pull from every live trainer, again and again."""
@@ -89,6 +101,7 @@ class ZoRounds:
             "log_entries_applied": len(self._applied),
             "rebuilds": self.rebuilds,
             "start_round": self.start_round,
+            "checkpoint_round": self.checkpoint_round,
         }
 
     async def session(
@@ -103,11 +116,15 @@ class ZoRounds:
         only if the worker goes away."""
         self._applied = []  # a new worker holds the genesis weights
         await self._catch_up_once()
+        if self.log.max_round() >= CHECKPOINT_EVERY and self._checkpoint_dir is not None:
+            await self._start_from_checkpoint(worker)
         self.start_round = self.round = max(self.round, self.log.max_round() + 1 if self.log.max_round() >= 0 else 0)
         for round_index in range(self.round, self._rounds):
             self.round = round_index
             await self._wait_for_round(round_index - 1)
             await self._send_updates(worker, below_round=round_index)
+            if round_index > 0 and round_index % CHECKPOINT_EVERY == 0:
+                await self._save_checkpoint(worker, round_index)
             seqs = range(self._own_seq, self._own_seq + self._updates_per_round)
             seeds = [zolog.seed_of(self._run_id, self._host.peer_id, round_index, seq) for seq in seqs]
             await worker.send("zo_go", round=round_index, seeds=seeds)
@@ -148,6 +165,51 @@ class ZoRounds:
         self.param_hash = str(done.get("param_hash"))
         self.final_val_loss = float(done.get("val_loss", 0.0))
         logger.info("zo: %d log entries applied, weights %s", len(self._applied), self.param_hash[:16])
+
+    async def _save_checkpoint(self, worker: WorkerConnection, round_index: int) -> None:
+        """The worker holds genesis + rounds < ``round_index``: offer that to late joiners."""
+        if self._checkpoint_dir is None:
+            return
+        path = self._checkpoint_dir / f"{self._run_id}.zo-{round_index}.ckpt"
+        await worker.send("zo_save", path=str(path), round=round_index)
+        reply = await worker.receive()
+        if reply["t"] != "zo_saved":
+            raise WorkerGone(f"expected zo_saved, got {reply['t']!r}")
+        nbytes = (await trio.Path(path).stat()).st_size
+        vector = self.log.count_below(round_index)
+        self.checkpoints.offer = zockpt.Offer(round_index, vector, str(reply.get("param_hash")), path, nbytes)
+        self._saved.append(path)
+        while len(self._saved) > 2:  # one being served may still be open: keep the previous one
+            with contextlib.suppress(FileNotFoundError):
+                await trio.Path(self._saved.pop(0)).unlink()
+
+    async def _start_from_checkpoint(self, worker: WorkerConnection) -> None:
+        """A late joiner: take a peer's checkpoint that matches our log, instead of replaying it all."""
+        assert self._checkpoint_dir is not None
+        dest = self._checkpoint_dir / f"{self._run_id}.zo-fetched.ckpt"
+        for peer_id in self._partners():
+            try:
+                offer = await self.checkpoints.fetch(peer_id, dest)
+                if offer is not None and self.log.count_below(offer.round) != offer.vector:
+                    await self.sync.pull(peer_id)  # it may know entries we have not pulled yet
+            except ProtocolError as exc:
+                logger.info("no checkpoint from %s: %s", peer_id, exc)
+                continue
+            if offer is None:
+                continue
+            if self.log.count_below(offer.round) != offer.vector:
+                logger.info("checkpoint of %s at round %d does not match our log; not taken", peer_id, offer.round)
+                continue
+            await worker.send("zo_load", path=str(dest), param_hash=offer.param_hash)
+            reply = await worker.receive()
+            if reply["t"] != "zo_loaded":
+                raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
+            if reply.get("ok") is True:
+                self._applied = list(self.log.ordered(below_round=offer.round))
+                self.checkpoint_round = offer.round
+                logger.info("zo: started from %s's checkpoint at round %d", peer_id, offer.round)
+                return
+            logger.info("checkpoint of %s refused by the worker: %s", peer_id, reply.get("reason"))
 
     async def _catch_up_once(self) -> None:
         for peer_id in self._partners():

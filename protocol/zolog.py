@@ -227,6 +227,11 @@ class UpdateLog:
     def max_round(self) -> int:
         return max((chain[-1].round for chain in self._chains.values() if chain), default=-1)
 
+    def count_below(self, round_index: int) -> dict[str, int]:
+        """Per peer, how many of its entries have rounds < ``round_index`` (peers with none left out)."""
+        counts = {p: sum(1 for e in chain if e.round < round_index) for p, chain in self._chains.items()}
+        return {p: n for p, n in counts.items() if n}
+
     def vector(self) -> dict[str, int]:
         """How many entries we hold per peer: what a pull asks beyond."""
         return {peer: len(chain) for peer, chain in self._chains.items()}

@@ -265,7 +265,8 @@ async def test_zo_nodes_and_a_late_joiner_end_bit_identical(short_tmp: Path, env
     assert report["algorithm"] == "zo" and report["stop_reason"] == "trained"
     nodes = report["nodes"]
     late = [n for n in nodes if n["late_join"]]
-    assert len(late) == 1 and late[0]["start_round"] > 0  # it replayed the log, then joined in
+    # It fetched a peer's checkpoint, replayed the log after it, then joined in.
+    assert len(late) == 1 and late[0]["start_round"] > 0 and late[0]["checkpoint_round"] > 0
     assert len({n["param_hash"] for n in nodes}) == 1 and len(nodes[0]["param_hash"]) == 64
     for node in nodes:
         if not node["late_join"]:

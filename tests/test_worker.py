@@ -153,3 +153,31 @@ async def test_a_worker_told_cuda_without_one_trains_on_the_cpu_instead_of_crash
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
+
+
+async def test_zo_worker_applies_updates_saves_and_refuses_a_checkpoint_that_hashes_wrong(tmp_path: Path) -> None:
+    worker = await start_worker(algorithm="zo", rounds=1, model="micro", model_overrides={})
+    ready = await receive(worker)
+    assert ready["payload_nbytes"] == 0
+    await worker.send("zo_finish")
+    genesis = (await receive(worker))["param_hash"]
+    await worker.send("zo_go", round=0, seeds=[1, 2, 3])
+    step = await receive(worker)
+    assert step["t"] == "zo_step" and len(step["g_codes"]) == 3
+    await worker.send("zo_apply", rebuild=False, updates=[[1, step["g_codes"][0]], [2, 200]])
+    await worker.send("zo_save", path=str(tmp_path / "a.ckpt"), round=1)
+    saved = (await receive(worker))["param_hash"]
+    assert saved != genesis
+    await worker.send("zo_apply", rebuild=True, updates=[])  # back to the genesis weights
+    await worker.send("zo_load", path=str(tmp_path / "a.ckpt"), param_hash="0" * 64)
+    refused = await receive(worker)
+    assert refused["ok"] is False and "hash" in refused["reason"]
+    await worker.send("zo_finish")
+    assert (await receive(worker))["param_hash"] == genesis  # nothing was taken from it
+    await worker.send("zo_load", path=str(tmp_path / "a.ckpt"), param_hash=saved)
+    assert (await receive(worker))["ok"] is True
+    await worker.send("zo_finish")
+    assert (await receive(worker))["param_hash"] == saved
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0

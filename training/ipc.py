@@ -23,6 +23,10 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                  ◀── {t: "zo_step", round, g_codes, val_loss, compute_s}
     {t: "zo_finish"}             ──▶
                                  ◀── {t: "zo_done", param_hash, val_loss}
+    {t: "zo_save", path, round}  ──▶ (write the weights as a checkpoint file)
+                                 ◀── {t: "zo_saved", param_hash}
+    {t: "zo_load", path, param_hash} ──▶ (adopt a fetched checkpoint if it hashes right)
+                                 ◀── {t: "zo_loaded", ok, reason?}
 
     {t: "stop"}                  ──▶ the worker exits 0
 
@@ -39,8 +43,10 @@ VERSION = 1
 LENGTH_NBYTES = 4
 # Control messages are small; a larger frame means a bug or a corrupted pipe.
 MAX_FRAME_NBYTES = 1 << 20
-WORKER_TYPES = frozenset({"ready", "round_done", "outer_done", "accumulated", "error", "zo_step", "zo_done"})
-DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish"})
+WORKER_TYPES = frozenset(
+    {"ready", "round_done", "outer_done", "accumulated", "error", "zo_step", "zo_done", "zo_saved", "zo_loaded"}
+)
+DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish", "zo_save", "zo_load"})
 
 
 class IpcError(Exception):

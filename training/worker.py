@@ -216,6 +216,27 @@ def _zo_step(
     }
 
 
+def _zo_load(params: Sequence[torch.Tensor], command: dict[str, Any]) -> dict[str, Any]:
+    """Adopt a fetched checkpoint if it parses, fits and hashes as announced; else keep ours."""
+    try:
+        tensors, _ = checkpoint.load(Path(str(command.get("path"))))
+        loaded = [tensors.get(f"param.{k}") for k in range(len(params))]
+        if len(tensors) != len(params) or any(
+            t is None or t.shape != p.shape or t.dtype != p.dtype for t, p in zip(loaded, params, strict=True)
+        ):
+            raise checkpoint.CheckpointError("it does not fit this model")
+        if zo.param_hash([t for t in loaded if t is not None]) != command.get("param_hash"):
+            raise checkpoint.CheckpointError("its weights do not hash to the announced value")
+    except checkpoint.CheckpointError as exc:
+        logger.warning("fetched checkpoint refused: %s", exc)
+        return {"ok": False, "reason": str(exc)[:200]}
+    with torch.no_grad():
+        for param, tensor in zip(params, loaded, strict=True):
+            assert tensor is not None
+            param.copy_(tensor)
+    return {"ok": True}
+
+
 def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
     """Zeroth-order mode: the daemon says which logged updates to apply (one message per
     round of the log, in the canonical order: one message is one summed group, so the
@@ -244,6 +265,13 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
             if len(seeds) > 4096 or not all(type(s) is int and 0 <= s < 1 << 64 for s in seeds):
                 raise ipc.IpcError("zo_go seeds must be 64-bit integers (at most 4096)")
             ipc.write_blocking(replies, "zo_step", **_zo_step(trainer, params, zo_config, round_index, seeds))
+        elif kind == "zo_save":
+            # The weights as they stand (genesis + whole rounds of the log): a checkpoint peers can fetch.
+            path = Path(str(command.get("path")))
+            checkpoint.save(path, {f"param.{k}": p for k, p in enumerate(params)}, {"round": command.get("round")})
+            ipc.write_blocking(replies, "zo_saved", param_hash=zo.param_hash(params))
+        elif kind == "zo_load":
+            ipc.write_blocking(replies, "zo_loaded", **_zo_load(params, command))
         elif kind == "zo_finish":
             ipc.write_blocking(replies, "zo_done", param_hash=zo.param_hash(params), val_loss=trainer.val_loss())
         else:

@@ -1,0 +1,141 @@
+"""Fetching a ZO checkpoint from a peer, so a late joiner need not replay the whole log.
+
+Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
+
+    joiner                                   holder
+    {t: "ckpt?", v: 1, run}        ───────▶
+                                   ◀─────── {t: "ckpt", v: 1, round, vector, param_hash, nbytes}
+                                            then nbytes raw bytes (training/checkpoint.py file)
+                                            or {t: "none", v: 1}
+
+A checkpoint at round r is the weights after every logged update of rounds < r; ``vector``
+says how many entries of each peer's chain it includes. The joiner takes it only if that
+vector equals what its own (pulled) log holds below r, the file parses and fits the
+model, and the weights hash to ``param_hash`` (the worker checks the last two). A holder
+can still lie consistently (bad weights with their own hash): the joiner's final weights
+would then differ from everyone's, which ``param_hash`` in the report shows; checking the
+hash with a second peer is left for later.
+"""
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from protocol import wire
+from protocol.errors import BadMessage, ProtocolError
+from protocol.host import Host, Stream
+from protocol.peers import PeerTable
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/swarmtrain/zo-ckpt/1.0.0"
+VERSION = 1
+CHUNK_NBYTES = 1 << 20
+HEADER_TIMEOUT_S = 10.0
+TRANSFER_TIMEOUT_S = 600.0
+MAX_PEERS_IN_VECTOR = 4096
+HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    round: int
+    vector: dict[str, int]
+    param_hash: str
+    path: Path
+    nbytes: int
+
+
+class ZoCheckpoints:
+    def __init__(self, host: Host, peers: PeerTable, run_id: str, *, max_nbytes: int) -> None:
+        self._host = host
+        self._peers = peers
+        self._run_id = run_id
+        self._max_nbytes = max_nbytes
+        self.offer: Offer | None = None
+        """What we serve: set by the ZO rounds after the worker saved a checkpoint."""
+
+    def register(self) -> None:
+        self._host.set_handler(PROTOCOL_ID, self._serve)
+
+    async def fetch(self, peer_id: str, dest: Path) -> Offer | None:
+        """Ask ``peer_id`` for its checkpoint and write it to ``dest``; None if it has none.
+
+        Raises ``ProtocolError``; a malformed answer (``BadMessage``) also penalizes the peer.
+        """
+        with trio.move_on_after(TRANSFER_TIMEOUT_S) as scope:
+            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
+            try:
+                await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id})
+                with trio.fail_after(HEADER_TIMEOUT_S):
+                    header = await wire.receive(
+                        stream, msg_types=frozenset({"ckpt", "none"}), version=VERSION, max_nbytes=1 << 20
+                    )
+                if header["t"] == "none":
+                    await stream.close()
+                    return None
+                offer = Offer(
+                    round=wire.get_int(header, "round", lo=1, hi=1 << 40),
+                    vector=_get_vector(header),
+                    param_hash=wire.get_str(header, "param_hash", max_len=64, pattern=HASH_PATTERN),
+                    path=dest,
+                    nbytes=wire.get_int(header, "nbytes", lo=1, hi=self._max_nbytes),
+                )
+                async with await trio.open_file(dest, "wb") as out:
+                    left = offer.nbytes
+                    while left:
+                        chunk = await stream.read_exact(min(CHUNK_NBYTES, left))
+                        await out.write(chunk)
+                        left -= len(chunk)
+            except BadMessage as exc:
+                await stream.reset()
+                if self._peers.penalize(peer_id, f"zo checkpoint: {exc}"):
+                    await self._host.disconnect(peer_id)
+                raise
+            except trio.TooSlowError as exc:
+                await stream.reset()
+                raise ProtocolError(f"{peer_id} did not describe its checkpoint in time") from exc
+            await stream.close()
+            return offer
+        assert scope.cancelled_caught
+        raise ProtocolError(f"fetching a checkpoint from {peer_id} timed out")
+
+    async def _serve(self, stream: Stream) -> None:
+        if self._peers.is_banned(stream.peer_id):
+            await stream.reset()
+            return
+        with trio.fail_after(HEADER_TIMEOUT_S):
+            request = await wire.receive(stream, msg_types=frozenset({"ckpt?"}), version=VERSION, max_nbytes=4096)
+        offer = self.offer
+        if wire.get_str(request, "run", max_len=64) != self._run_id or offer is None:
+            await wire.send(stream, "none", VERSION, {})
+            await stream.close()
+            return
+        header = {
+            "round": offer.round,
+            "vector": offer.vector,
+            "param_hash": offer.param_hash,
+            "nbytes": offer.nbytes,
+        }
+        with trio.move_on_after(TRANSFER_TIMEOUT_S):
+            # The file is never rewritten in place (one file per round), so it matches the header.
+            async with await trio.open_file(offer.path, "rb") as source:
+                await wire.send(stream, "ckpt", VERSION, header)
+                while chunk := await source.read(CHUNK_NBYTES):
+                    await stream.write(chunk)
+            await stream.close()
+
+
+def _get_vector(header: dict[str, object]) -> dict[str, int]:
+    vector = header.get("vector")
+    if not isinstance(vector, dict) or len(vector) > MAX_PEERS_IN_VECTOR:
+        raise BadMessage("checkpoint vector must be a map of peers")
+    out: dict[str, int] = {}
+    for peer_id, count in vector.items():
+        if not isinstance(peer_id, str) or len(peer_id) > 64 or type(count) is not int or not 0 < count < 1 << 40:
+            raise BadMessage("checkpoint vector entries are peer id → positive count")
+        out[peer_id] = count
+    return out
