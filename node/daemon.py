@@ -119,6 +119,7 @@ class Daemon:
                         checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),
                         device=detect_device(self.config.device),
                         identity_seed=self.seed,
+                        run_service=self.run_service,
                     )
                     await nursery.start(self.training.run)
             self.discovery = Discovery(

@@ -301,7 +301,10 @@ TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
 )
-ZO_REPORT_KEYS = ("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round")
+ZO_REPORT_KEYS = (
+    *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round"),
+    *("entries_by_gossip", "entries_by_pull"),
+)
 
 
 def _zo_settled(options: SimulationOptions, nodes: list[_Node]) -> bool:

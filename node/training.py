@@ -32,6 +32,7 @@ from protocol.host import Host
 from protocol.pairing import Pairing
 from protocol.peers import PeerTable
 from protocol.ratelimit import RateLimit
+from protocol.run import RunService
 from protocol.state import Manifest, RunState
 from training.worker_config import WorkerConfig
 
@@ -99,6 +100,7 @@ class TrainingService:
         checkpoint_path: str | None = None,
         device: str = "cpu",
         identity_seed: bytes = b"",
+        run_service: RunService | None = None,
     ) -> None:
         self._host = host
         self._peers = peers
@@ -111,6 +113,7 @@ class TrainingService:
         self._supervisor: Supervisor | None = None
         self._zo: ZoRounds | None = None
         self._identity_seed = identity_seed
+        self._run_service = run_service
         self.adopted = trio.Event()
         """Set once the run's settings are known (training or not)."""
         self.metrics = TrainingMetrics()
@@ -157,8 +160,11 @@ class TrainingService:
                 is_member=lambda peer_id: peer_id in self._state.members,
                 wait_s=config.pair_timeout_s,
                 checkpoint_dir=Path(self._checkpoint_path).parent if self._checkpoint_path else None,
+                gossip=self._run_service.push_zo if self._run_service else None,
             )
             self._zo.register()
+            if self._run_service is not None:
+                self._run_service.zo_hint = self._zo.sync.receive_hint
             self._supervisor = Supervisor(worker_config, self._zo_session, log_path=self._log_path)
             await self._train_zo(self._zo, self._supervisor)
             return

@@ -18,7 +18,7 @@ newest round it finds, so it ends bit-identical to the others.
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class ZoRounds:
         is_member: Callable[[str], bool],
         wait_s: float,
         checkpoint_dir: Path | None = None,
+        gossip: Callable[[bytes], Awaitable[None]] | None = None,
     ) -> None:
         self._host = host
         self._run_id = run_id
@@ -75,8 +76,10 @@ class ZoRounds:
         self.checkpoint_round: int | None = None
         """The round of the checkpoint we started from (fetched from a peer), if any."""
         self._checkpoint_dir = checkpoint_dir
+        self._gossip = gossip
         self.checkpoints = zockpt.ZoCheckpoints(host, peers, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
         self._saved: list[Path] = []
+        self._hashed_entries = 0
 
     def register(self) -> None:
         self.sync.register()
@@ -98,7 +101,10 @@ class ZoRounds:
             "param_hash": self.param_hash,
             "bytes_per_update": round(self.bytes_published / published, 2) if published else None,
             "log_entries": sum(self.log.vector().values()),
-            "log_entries_applied": len(self._applied),
+            # Entries behind the reported param_hash (not merely sent to the worker).
+            "log_entries_applied": self._hashed_entries,
+            "entries_by_gossip": self.sync.entries_by_gossip,
+            "entries_by_pull": self.sync.entries_by_pull,
             "rebuilds": self.rebuilds,
             "start_round": self.start_round,
             "checkpoint_round": self.checkpoint_round,
@@ -141,7 +147,10 @@ class ZoRounds:
             )
             self.sync.add(batch)
             self._own_seq += len(codes)
-            self.bytes_published += len(batch.encode())
+            raw = batch.encode()
+            self.bytes_published += len(raw)
+            if self._gossip is not None:
+                await self._gossip(raw)  # a hint: peers' pulls are the truth
             on_step(step)
         self.round = self._rounds
         await self._wait_for_round(self._rounds - 1)
@@ -164,6 +173,7 @@ class ZoRounds:
             raise WorkerGone(f"expected zo_done, got {done['t']!r}")
         self.param_hash = str(done.get("param_hash"))
         self.final_val_loss = float(done.get("val_loss", 0.0))
+        self._hashed_entries = len(self._applied)
         logger.info("zo: %d log entries applied, weights %s", len(self._applied), self.param_hash[:16])
 
     async def _save_checkpoint(self, worker: WorkerConnection, round_index: int) -> None:

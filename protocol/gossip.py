@@ -8,6 +8,8 @@ Protocol flow (topic ``/swarmtrain/run/<run id>/1``), every message signed by li
     {t: "update", v: 1, update}         a small local change, pushed so peers need not wait
                                         for the next pull; bigger ones are only pulled.
     {t: "bye",    v: 1}                 a clean shutdown: stop counting me as live now.
+    {t: "zo",     v: 1, batch}          a new signed batch of zeroth-order updates
+                                        (protocol/zolog.py); pulls repair what is lost.
 
 GossipSub drops messages under bursts and never delivers over 1 MiB, so nothing here is
 relied on: a lost heartbeat is covered by the TTL, a lost update by anti-entropy pulls.
@@ -24,7 +26,7 @@ VERSION = 1
 MAX_PUSH_NBYTES = 64 << 10
 MAX_MESSAGE_NBYTES = MAX_PUSH_NBYTES + 1024
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{16}")
-_TYPES = frozenset({"hb", "update", "bye"})
+_TYPES = frozenset({"hb", "update", "bye", "zo"})
 
 
 def topic(run_id: str) -> str:
@@ -47,7 +49,12 @@ class Bye:
     pass
 
 
-GossipPayload = Heartbeat | Update | Bye
+@dataclass(frozen=True, slots=True)
+class ZoBatch:
+    batch: bytes
+
+
+GossipPayload = Heartbeat | Update | Bye | ZoBatch
 
 
 def encode(payload: GossipPayload) -> bytes:
@@ -60,6 +67,10 @@ def encode(payload: GossipPayload) -> bytes:
             return wire.encode("update", VERSION, {"update": update})
         case Bye():
             return wire.encode("bye", VERSION, {})
+        case ZoBatch(batch=batch):
+            if len(batch) > MAX_PUSH_NBYTES:
+                raise ValueError(f"batch of {len(batch)} bytes is too large to gossip")
+            return wire.encode("zo", VERSION, {"batch": batch})
     raise AssertionError(payload)
 
 
@@ -74,4 +85,6 @@ def decode(data: bytes) -> GossipPayload:
         )
     if msg["t"] == "update":
         return Update(update=wire.get_bytes(msg, "update", max_nbytes=MAX_PUSH_NBYTES))
+    if msg["t"] == "zo":
+        return ZoBatch(batch=wire.get_bytes(msg, "batch", max_nbytes=MAX_PUSH_NBYTES))
     return Bye()

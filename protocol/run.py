@@ -14,6 +14,7 @@ Tasks, all in one nursery:
 
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -68,6 +69,8 @@ class RunService:
         self.num_pulls = 0
         self.num_gossip_received = 0
         self.num_pull_failures = 0
+        self.zo_hint: Callable[[str, bytes], Awaitable[None]] | None = None
+        """Where gossiped ZO batches go (node/zo.py verifies them); dropped while None."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._sync.register()
@@ -103,6 +106,11 @@ class RunService:
         if len(update) > gossip.MAX_PUSH_NBYTES:
             return
         await self._publish(gossip.Update(update))
+
+    async def push_zo(self, batch: bytes) -> None:
+        """Gossip a new ZO batch (a hint: peers pull what gossip loses)."""
+        if len(batch) <= gossip.MAX_PUSH_NBYTES:
+            await self._publish(gossip.ZoBatch(batch))
 
     async def say_bye(self) -> None:
         await self._publish(gossip.Bye())
@@ -140,6 +148,9 @@ class RunService:
                 case gossip.Bye():
                     logger.info("peer %s left", sender)
                     self.peers.gone(sender)
+                case gossip.ZoBatch(batch=batch):
+                    if self.zo_hint is not None:
+                        await self.zo_hint(sender, batch)
 
     async def _heartbeat_loop(self) -> None:
         """Every interval, and soon after we meet someone new (so they see us without

@@ -46,6 +46,8 @@ class ZoLogSync:
         self._current_round = current_round
         self.changed = trio.Event()
         """Set when entries arrive (then replaced): take it before checking, then wait."""
+        self.entries_by_gossip = 0
+        self.entries_by_pull = 0
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve)
@@ -61,7 +63,7 @@ class ZoLogSync:
     async def receive_hint(self, peer_id: str, raw: bytes) -> None:
         """A batch that came by gossip: verify and keep it; bad ones cost the sender."""
         try:
-            self.add(zolog.decode_batch(raw, self.log.run_id))
+            self.entries_by_gossip += len(self.add(zolog.decode_batch(raw, self.log.run_id)))
         except zolog.UnknownAuthor:
             pass  # our member list may lag; a pull brings it again later
         except BadMessage as exc:
@@ -77,6 +79,7 @@ class ZoLogSync:
         for _ in range(64):  # bounded: each round trip brings up to MAX_BATCHES batches
             new, more = await self._pull_once(peer_id)
             total += new
+            self.entries_by_pull += new
             if not more:
                 break
         return total

@@ -71,6 +71,7 @@ def test_arbitrary_bytes_never_crash_gossip_decode(data: bytes) -> None:
         ),
         st.builds(gossip.Update, update=st.binary(max_size=1024)),
         st.just(gossip.Bye()),
+        st.builds(gossip.ZoBatch, batch=st.binary(max_size=1024)),
     )
 )
 def test_gossip_round_trip(payload: gossip.GossipPayload) -> None:
