@@ -220,6 +220,14 @@ class Host:
                 return str(stream.socket.getpeername()[0])
         return None
 
+    def socket_streams(self, peer_id: str) -> list[trio.SocketStream]:
+        """The TCP streams under our direct connections to a peer (for measuring bytes on the wire)."""
+        try:
+            conns = self._host.get_network().connections.get(_parse_peer_id(peer_id), [])
+        except DialError:
+            return []
+        return [s for s in (_socket_stream_of(c) for c in conns) if s is not None]
+
     def connected_peers(self) -> set[str]:
         return {p.to_base58() for p in self._host.get_connected_peers()}
 
