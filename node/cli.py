@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=config_module.TRAINING_ALGORITHMS,
         default="noloco",
-        help="noloco (default); diloco or local (baselines); none (network only)",
+        help="noloco (default); diloco or local (baselines); zo (zeroth-order); none (network only)",
     )
     sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
