@@ -70,3 +70,12 @@ def test_the_fused_kernel_gives_the_reference_bits(num_updates: int) -> None:
     zo_apply.apply_reference(theta, seeds, coeffs)
     zo_apply.apply_triton(on_gpu, seeds, coeffs)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(theta, on_gpu, strict=True))
+
+
+def test_the_compiled_cpu_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    eager, compiled = params(), params()
+    coeffs = zo_apply.coefficients(0.1, GS)
+    zo_apply.apply_reference(eager, SEEDS, coeffs)
+    monkeypatch.setattr(zo_apply, "COMPILE_ABOVE", 0)  # every call takes the compiled generator
+    zo_apply.apply_reference(compiled, SEEDS, coeffs)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
