@@ -122,6 +122,9 @@ class ZoRounds:
         only if the worker goes away."""
         self._applied = []  # a new worker holds the genesis weights
         await self._catch_up_once()
+        # After a restart of this node our chain may already be in peers' logs: go on from
+        # its end (reusing a sequence number would read as equivocation).
+        self._own_seq = max(self._own_seq, self.log.next_seq(self._host.peer_id))
         if self.log.max_round() >= CHECKPOINT_EVERY and self._checkpoint_dir is not None:
             await self._start_from_checkpoint(worker)
         self.start_round = self.round = max(self.round, self.log.max_round() + 1 if self.log.max_round() >= 0 else 0)
