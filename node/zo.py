@@ -88,11 +88,7 @@ class ZoRounds:
     async def pull_forever(self) -> None:
         """Anti-entropy: pull from every live trainer, again and again."""
         while True:
-            for peer_id in self._partners():
-                try:
-                    await self.sync.pull(peer_id)
-                except ProtocolError as exc:
-                    logger.debug("zo log pull from %s: %s", peer_id, exc)
+            await self._catch_up_once()
             await trio.sleep(PULL_INTERVAL_S)
 
     def status(self) -> dict[str, Any]:
@@ -225,6 +221,7 @@ class ZoRounds:
             logger.info("checkpoint of %s refused by the worker: %s", peer_id, reply.get("reason"))
 
     async def _catch_up_once(self) -> None:
+        """One pull from every live trainer (a failed one is only logged)."""
         for peer_id in self._partners():
             try:
                 await self.sync.pull(peer_id)

@@ -118,3 +118,18 @@ def get_str_list(msg: Mapping[str, Any], key: str, *, max_items: int, max_len: i
         if not isinstance(item, str) or len(item) > max_len:
             raise BadMessage(f"field {key!r} must hold strings of at most {max_len} characters")
     return list(value)
+
+
+def get_count_map(msg: Mapping[str, Any], key: str, *, max_items: int, lo: int, hi: int) -> dict[str, int]:
+    """A map of peer id (≤ 64 characters) → integer count in [lo, hi]."""
+    value = msg.get(key)
+    if not isinstance(value, dict):
+        raise BadMessage(f"field {key!r} must be a map, got {type(value).__name__}")
+    if len(value) > max_items:
+        raise BadMessage(f"field {key!r} has {len(value)} entries, limit {max_items}")
+    for peer_id, count in value.items():
+        if not isinstance(peer_id, str) or len(peer_id) > 64:
+            raise BadMessage(f"field {key!r} must be keyed by peer ids")
+        if not isinstance(count, int) or isinstance(count, bool) or not lo <= count <= hi:
+            raise BadMessage(f"field {key!r} must map peer ids to integers in [{lo}, {hi}]")
+    return dict(value)

@@ -79,7 +79,7 @@ class ZoCheckpoints:
                     return None
                 offer = Offer(
                     round=wire.get_int(header, "round", lo=1, hi=1 << 40),
-                    vector=_get_vector(header),
+                    vector=wire.get_count_map(header, "vector", max_items=MAX_PEERS_IN_VECTOR, lo=1, hi=(1 << 40) - 1),
                     param_hash=wire.get_str(header, "param_hash", max_len=64, pattern=HASH_PATTERN),
                     path=dest,
                     nbytes=wire.get_int(header, "nbytes", lo=1, hi=self._max_nbytes),
@@ -127,15 +127,3 @@ class ZoCheckpoints:
                 while chunk := await source.read(CHUNK_NBYTES):
                     await stream.write(chunk)
             await stream.close()
-
-
-def _get_vector(header: dict[str, object]) -> dict[str, int]:
-    vector = header.get("vector")
-    if not isinstance(vector, dict) or len(vector) > MAX_PEERS_IN_VECTOR:
-        raise BadMessage("checkpoint vector must be a map of peers")
-    out: dict[str, int] = {}
-    for peer_id, count in vector.items():
-        if not isinstance(peer_id, str) or len(peer_id) > 64 or type(count) is not int or not 0 < count < 1 << 40:
-            raise BadMessage("checkpoint vector entries are peer id → positive count")
-        out[peer_id] = count
-    return out

@@ -126,15 +126,11 @@ class ZoLogSync:
             with trio.fail_after(EXCHANGE_TIMEOUT_S):
                 request = await wire.receive(stream, msg_types=frozenset({"want"}), version=VERSION, max_nbytes=1 << 20)
                 run_id = wire.get_str(request, "run", max_len=64)
-                have = request.get("have")
-                if not isinstance(have, dict) or len(have) > MAX_PEERS_IN_VECTOR:
-                    raise BadMessage(f"have must be a map of at most {MAX_PEERS_IN_VECTOR} peers")
+                have = wire.get_count_map(request, "have", max_items=MAX_PEERS_IN_VECTOR, lo=0, hi=1 << 40)
                 batches: list[bytes] = []
                 if run_id == self.log.run_id:
                     for peer_id in sorted(self.log.vector()):
-                        since = have.get(peer_id, 0)
-                        since = since if isinstance(since, int) and not isinstance(since, bool) else 0
-                        batches += [b.encode() for b in self.log.batches_after(peer_id, max(0, since))]
+                        batches += [b.encode() for b in self.log.batches_after(peer_id, have.get(peer_id, 0))]
                 await wire.send(
                     stream, "batches", VERSION, {"batches": batches[:MAX_BATCHES], "more": len(batches) > MAX_BATCHES}
                 )

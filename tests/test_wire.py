@@ -117,3 +117,17 @@ async def test_oversized_frame_refused_before_reading_body() -> None:
 def test_field_getters_refuse_bad_values(getter, kwargs, value) -> None:
     with pytest.raises(BadMessage, match="'f'"):
         getter({"f": value}, "f", **kwargs)
+
+
+def test_count_maps_are_checked_entry_by_entry() -> None:
+    ok = {"m": {"peer-a": 3, "peer-b": 0}}
+    assert wire.get_count_map(ok, "m", max_items=4, lo=0, hi=10) == {"peer-a": 3, "peer-b": 0}
+    for bad in (
+        {"m": [1]},
+        {"m": {"p": -1}},
+        {"m": {"p": True}},
+        {"m": {"x" * 65: 1}},
+        {"m": {str(i): 1 for i in range(5)}},
+    ):
+        with pytest.raises(BadMessage):
+            wire.get_count_map(bad, "m", max_items=4, lo=0, hi=10)

@@ -39,6 +39,8 @@ def _table() -> torch.Tensor:
 
 MAGNITUDES = _table()
 """MAGNITUDES[q] = float32(2^((q − 127)/12)); MAGNITUDES[0] = 0."""
+# Nearest level in log space: the geometric midpoints between neighbouring levels.
+_MIDPOINTS = torch.sqrt(MAGNITUDES[1:-1].double() * MAGNITUDES[2:].double()).float()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,11 +63,9 @@ def encode_g(g: float, g_max: float) -> int:
     if g != g or g in (float("inf"), float("-inf")):
         raise ValueError(f"cannot encode g = {g}")
     magnitude = torch.tensor(abs(g) / g_max, dtype=torch.float32)
-    # Nearest level in log space: compare against the geometric midpoints of the table.
-    midpoints = torch.sqrt(MAGNITUDES[1:-1].double() * MAGNITUDES[2:].double()).float()
     if float(magnitude) < float(MAGNITUDES[1]) / 2 ** (1 / (2 * STEPS_PER_OCTAVE)):
         return 0
-    level = 1 + int(torch.searchsorted(midpoints, magnitude.reshape(1)).item())
+    level = 1 + int(torch.searchsorted(_MIDPOINTS, magnitude.reshape(1)).item())
     return (0x80 if g < 0 else 0) | min(level, LEVELS)
 
 
