@@ -52,13 +52,19 @@ def run(variant: str, args: argparse.Namespace, workdir: Path) -> dict[str, obje
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def simulation_parser(doc: str | None, *, rounds: int, inner_steps: int, model: str) -> argparse.ArgumentParser:
+    """The flags ``run`` reads (bench/utilization.py uses it too, with its own defaults)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--inner-steps", type=int, default=20)
-    parser.add_argument("--model", default="micro")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--inner-steps", type=int, default=inner_steps)
+    parser.add_argument("--model", default=model)
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    return parser
+
+
+def main() -> None:
+    parser = simulation_parser(__doc__, rounds=20, inner_steps=20, model="micro")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     args = parser.parse_args()
     variants = args.variants.split(",")

@@ -9,22 +9,15 @@ once (bench/algorithms.py's runner) and prints one JSON object; the issue's targ
     python bench/utilization.py [--nodes 4] [--rounds 4] [--inner-steps 50] [--model tiny]
 """
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
-from algorithms import run
+from algorithms import run, simulation_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
-    args = parser.parse_args()
+    args = simulation_parser(__doc__, rounds=4, inner_steps=50, model="tiny").parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-util-") as tmp:
         result = run("noloco", args, Path(tmp))
     out = {"bench": "utilization", **vars(args), **result}
