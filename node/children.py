@@ -8,6 +8,7 @@ warm. Each child's stdin is a pipe whose write end only the simulator holds; the
 simulator closed it or died.
 """
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -39,8 +40,26 @@ def start_forkserver(log_path: Path) -> None:
         os.close(log_fd)
 
 
-def _child_main(argv: list[str], lifeline: multiprocessing.connection.Connection, log_path: str) -> None:
-    """Runs in the child: output to the log, the lifeline as stdin, then the CLI."""
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(path: str) -> None:
+    """Move this process into the network namespace at ``path`` (what ``ip netns exec`` does)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+    finally:
+        os.close(fd)
+
+
+def _child_main(
+    argv: list[str], lifeline: multiprocessing.connection.Connection, log_path: str, netns: str | None
+) -> None:
+    """Runs in the child: its network namespace, output to the log, the lifeline as stdin, then the CLI."""
+    if netns is not None:
+        enter_netns(netns)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -56,9 +75,10 @@ def _child_main(argv: list[str], lifeline: multiprocessing.connection.Connection
 class Child:
     """One node process: start, wait, signal, and close its lifeline."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, *, netns: str | None = None) -> None:
+        """``netns``: run in that network namespace (a path under /var/run/netns)."""
         reader, self._lifeline = _CONTEXT.Pipe(duplex=False)
-        self._process = _CONTEXT.Process(target=_child_main, args=(argv, reader, str(log_path)), daemon=False)
+        self._process = _CONTEXT.Process(target=_child_main, args=(argv, reader, str(log_path), netns), daemon=False)
         self._process.start()
         reader.close()
 

@@ -46,6 +46,13 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
+    parser.add_argument("--relay", choices=config_module.RELAY_MODES, help="offer relay to peers behind NAT")
+    parser.add_argument(
+        "--relayed-tensors-mbps",
+        type=float,
+        metavar="MBIT",
+        help="allow tensors over relayed connections at this cap (default 0: never)",
+    )
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
     parser.add_argument("--algorithm", choices=config_module.TRAINING_ALGORITHMS, help="train with this algorithm")
@@ -65,6 +72,8 @@ _FLAG_TO_FIELD = {
     "bootstrap": "network.bootstrap",
     "mdns": "network.mdns",
     "upload_limit_mbps": "network.upload_limit_mbps",
+    "relay": "network.relay",
+    "relayed_tensors_mbps": "network.relayed_tensors_mbps",
     "new_run": "run.new_run",
     "run": "run.run_id",
     "role": "role",
@@ -136,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
     sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
+    sim.add_argument(
+        "--topology",
+        choices=("loopback", "nat"),
+        default="loopback",
+        help="loopback (default), or nat: each node behind its own NAT in network namespaces (needs root)",
+    )
+    sim.add_argument(
+        "--symmetric-nats", type=int, default=0, metavar="K", help="with --topology nat: K NATs randomise ports"
+    )
     return parser
 
 
@@ -168,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     plot_path=args.plot,
                     kill_after_s=args.kill_after_s,
                     late_join=args.late_join,
+                    topology=args.topology,
+                    symmetric_nats=args.symmetric_nats,
                 )
                 return simulate(options)
     except ConfigError as exc:

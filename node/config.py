@@ -27,6 +27,8 @@ ROLES = ("trainer", "bootstrap", "observer")
 TRAINING_ALGORITHMS = ("none", *ALGORITHMS)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# protocol/nat.py's RELAY_MODES; repeated so reading a config never imports libp2p.
+RELAY_MODES = ("auto", "on", "off")
 
 
 def default_data_dir() -> Path:
@@ -48,6 +50,18 @@ class NetworkConfig:
     """Also find peers on the local network by mDNS (multicasts on every interface)."""
     upload_limit_mbps: float = 0.0
     """Cap on tensor uploads in megabits per second (0: no cap); control traffic is not capped."""
+    relay: str = "auto"
+    """Offer circuit relay to peers behind NAT: auto (while peers confirm we are reachable), on, off."""
+    relay_max_reservations: int = 32
+    """Peers behind NAT that may hold a relay slot on us at once."""
+    relay_max_circuits: int = 64
+    """Relayed connections through us at once."""
+    relay_circuit_duration_s: int = 3600
+    """A relayed connection through us is closed after this long (the peers may reconnect)."""
+    relay_circuit_data_mib: int = 64
+    """Bytes a relayed connection through us may carry, both directions together."""
+    relayed_tensors_mbps: float = 0.0
+    """Tensors over relayed connections: 0 never (default: control traffic only); > 0 allowed at this cap."""
 
     def __post_init__(self) -> None:
         from protocol.host import check_listen_addr, parse_dial_addr
@@ -61,6 +75,19 @@ class NetworkConfig:
         _positive("network.dial_timeout_s", self.dial_timeout_s)
         if not 0 <= self.upload_limit_mbps < 1e9:  # also refuses NaN
             raise ConfigError(f"network.upload_limit_mbps: must be >= 0 (0: no cap), got {self.upload_limit_mbps:g}")
+        if not 0 <= self.relayed_tensors_mbps < 1e9:
+            raise ConfigError(
+                f"network.relayed_tensors_mbps: must be >= 0 (0: never), got {self.relayed_tensors_mbps:g}"
+            )
+        if self.relay not in RELAY_MODES:
+            raise ConfigError(f"network.relay: must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
+        for name in ("relay_max_reservations", "relay_max_circuits", "relay_circuit_duration_s"):
+            if not 1 <= getattr(self, name) <= 1_000_000:
+                raise ConfigError(f"network.{name}: must be 1 to 1000000, got {getattr(self, name)}")
+        if not 1 <= self.relay_circuit_data_mib <= 1 << 20:
+            raise ConfigError(
+                f"network.relay_circuit_data_mib: must be 1 to {1 << 20}, got {self.relay_circuit_data_mib}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

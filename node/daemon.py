@@ -6,7 +6,6 @@ then run discovery, state sync and the control API until asked to stop. Stopping
 goodbye on gossip, saves the run state and closes the host: no traceback, exit 0.
 """
 
-import ipaddress
 import logging
 import secrets
 import time
@@ -19,11 +18,13 @@ from node.config import NodeConfig
 from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
 from node.errors import NodeError
+from node.logs import short_peer
 from node.training import RUN_SETTINGS, TrainingService
 from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
 from protocol.info import NodeInfo, ask_info, serve_info
+from protocol.nat import RelayPolicy
 from protocol.peers import PeerTable
 from protocol.run import RunService
 from protocol.state import Manifest, MemberRecord, RunState
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 AGENT = "swarmtrain/0.1.0"
 # On a clean stop, how long the goodbye and the final save may take.
 SHUTDOWN_GRACE_S = 3.0
+# The start-up network line waits at most this long for reachability and a relay slot.
+NETWORK_SETTLE_S = 30.0
 
 
 class Daemon:
@@ -73,9 +76,22 @@ class Daemon:
         if not self.peer_id:
             self.prepare()
         net = self.config.network
+        relay = RelayPolicy(
+            mode=net.relay,
+            max_reservations=net.relay_max_reservations,
+            max_circuits=net.relay_max_circuits,
+            circuit_duration_s=net.relay_circuit_duration_s,
+            circuit_data_mib=net.relay_circuit_data_mib,
+        )
         try:
             async with open_host(
-                identity_seed=self.seed, listen_addrs=net.listen, announce_addrs=net.announce, mdns=net.mdns
+                identity_seed=self.seed,
+                listen_addrs=net.listen,
+                announce_addrs=net.announce,
+                mdns=net.mdns,
+                relay=relay,
+                preferred_peers=[parse_dial_addr(a).peer_id for a in net.bootstrap],
+                relayed_tensors_mbps=net.relayed_tensors_mbps,
             ) as host:
                 self.host = host
                 await self._serve(host, task_status)
@@ -106,6 +122,7 @@ class Daemon:
                 await nursery.start(self.run_service.run)
                 on_peer = self.run_service.on_peer_connected
                 nursery.start_soon(self.run_service.push, state.put_member(self._member_record(host, state)))
+                nursery.start_soon(self._follow_addresses, host, state)
                 nursery.start_soon(self._save_loop, state)
                 if self.config.role == "trainer":  # trains what the run's manifest says
                     self.training = TrainingService(
@@ -132,6 +149,7 @@ class Daemon:
                 on_peer=on_peer,
             )
             await nursery.start(self.discovery.run)
+            nursery.start_soon(self._say_network, host)
             await nursery.start(api.serve, self.config.data_dir, {"status": self._api_status, "stop": self._api_stop})
             self.ready.set()
             task_status.started()
@@ -211,6 +229,28 @@ class Daemon:
             joined_at=previous.joined_at if previous else time.time(),
         )
 
+    async def _follow_addresses(self, host: Host, state: RunState) -> None:
+        """Behind a NAT our addresses change as relay slots come and go: tell the run and the DHT."""
+        assert self.run_service is not None
+        addrs = host.addrs()
+        while True:
+            changed = host.nat.changed
+            await changed.wait()
+            if host.addrs() != addrs:
+                addrs = host.addrs()
+                await self.run_service.push(state.put_member(self._member_record(host, state)))
+                if self.discovery is not None:
+                    self.discovery.reprovide()
+
+    async def _say_network(self, host: Host) -> None:
+        """One line on what the network looks like from here, once it settled (or after a bound)."""
+        with trio.move_on_after(NETWORK_SETTLE_S):
+            while not network_settled(host.nat.summary()):
+                changed = host.nat.changed
+                with trio.move_on_after(1.0):
+                    await changed.wait()
+        logger.info("%s", network_line(host.nat.summary(), host.nat.connection_types(), host.transport_addrs()))
+
     async def _on_peer_without_run(self, peer_id: str, source: str) -> None:
         logger.debug("connected to %s (%s)", peer_id, source)
 
@@ -250,6 +290,7 @@ class Daemon:
                 "role": info.role or (members[peer_id].role if peer_id in members else ""),
                 "last_seen_s": round(now - info.last_seen, 2),
                 "connected": peer_id in connected,
+                "connection": host.connection_type(peer_id) if host else None,
             }
             for peer_id, info in sorted(live.items())
         ]
@@ -259,10 +300,15 @@ class Daemon:
             "role": self.config.role,
             "run_id": rs.state.run_id if rs else None,
             "uptime_s": round(time.time() - self._started_at, 2),
-            "reachability": reachability(host.transport_addrs() if host else [], self.config.network.announce),
+            "reachability": host.nat.status.reachability if host else "unknown",
+            "nat": host.nat.summary() if host else None,
+            "network": (
+                network_line(host.nat.summary(), host.nat.connection_types(), host.transport_addrs()) if host else ""
+            ),
             "peers_seen": len(live),
             "peers": peers,
             "connections": len(connected),
+            "links": host.nat.connection_types() if host else {},
             "dht_routing_table": host.dht_routing_table_size() if host else 0,
             "members": len(members),
             "state_digest": rs.state.digest if rs else None,
@@ -275,17 +321,25 @@ class Daemon:
         }
 
 
-def reachability(listen: list[str], announce: list[str]) -> str:
-    """A first guess from our own addresses; AutoNAT (the NAT issue) will verify it."""
-    ips = []
-    for addr in announce or listen:
-        parts = addr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4":
-            ips.append(ipaddress.ip_address(parts[2]))
-    if any(ip.is_global for ip in ips):
-        return "public address (unverified)"
-    if any(ip.is_unspecified for ip in ips):
-        return "all interfaces (unverified)"
-    if ips and all(ip.is_loopback for ip in ips):
-        return "loopback only"
-    return "private network"
+def network_settled(nat: dict[str, Any]) -> bool:
+    """Reachability known and, behind a NAT, a relay slot held."""
+    return nat["reachability"] == "public" or (nat["reachability"] == "private" and bool(nat["reservations"]))
+
+
+def network_line(nat: dict[str, Any], connections: dict[str, str], listen: list[str]) -> str:
+    """What we found and what to do, in one line (the start-up summary and ``status``)."""
+    direct = sum(kind == "direct" for kind in connections.values())
+    peers = f"{direct} of {len(connections)} peers direct"
+    port = next((a.rsplit("/", 1)[1] for a in listen if "/tcp/" in a), "?")
+    seen = f" (seen as {nat['observed_ip']})" if nat["observed_ip"] else ""
+    if nat["reachability"] == "public":
+        offer = "; offering relay to peers behind NAT" if nat["offering_relay"] else ""
+        return f"network: public address{seen}, peers can dial us{offer}; {peers}"
+    if nat["reachability"] == "private":
+        relays = ", ".join(short_peer(r) for r in sorted(nat["reservations"]))
+        if relays:
+            reserved = f"reserved relay {relays}: peers reach us through it, then hole-punch"
+        else:
+            reserved = "no relay slot yet (no reachable peer offers relay): only peers we dial reach us"
+        return f"network: no public address{seen}; {reserved}; {peers}; forward TCP port {port} to be dialable"
+    return f"network: reachability unknown (no peer has answered a dial-back yet); {peers}"

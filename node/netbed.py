@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 SETUP_TIMEOUT_S = 10.0
 _NFT_RULES = """
 table ip nat {{
-  chain postrouting {{ type nat hook postrouting priority 100; oifname "wan" ip saddr {subnet} masquerade; }}
+  chain postrouting {{ type nat hook postrouting priority 100; oifname "wan" ip saddr {subnet} masquerade{flags}; }}
 }}
 table ip filter {{
   chain input {{ type filter hook input priority 0; policy accept;
@@ -73,6 +73,8 @@ class Netbed:
     subnet: int = field(default_factory=lambda: 64 + secrets.randbelow(128))
     """The second octet of the public 10.x.0.0/24 (random: beds can run side by side)."""
     namespaces: list[str] = field(default_factory=list)
+    symmetric: frozenset[int] = frozenset()
+    """NATs (by index) that randomise the public port of every connection."""
 
     def ns(self, role: str) -> str:
         return f"{self.prefix}{role}"
@@ -86,6 +88,10 @@ class Netbed:
 
     def host_ip(self, k: int) -> str:
         return f"192.168.{k + 1}.2"
+
+    def netns_path(self, role: str) -> str:
+        """The file naming the namespace of ``role`` (for ``setns``)."""
+        return f"/var/run/netns/{self.ns(role)}"
 
     def exec_prefix(self, role: str) -> list[str]:
         """Prefix a command with this to run it inside the namespace of ``role``."""
@@ -123,7 +129,10 @@ class Netbed:
             _run(["ip", "-n", host, "route", "add", "default", "via", gateway])
             _run(["ip", "netns", "exec", nat, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
             _run(
-                ["ip", "netns", "exec", nat, "nft", "-f", "-"], stdin=_NFT_RULES.format(subnet=f"192.168.{k + 1}.0/24")
+                ["ip", "netns", "exec", nat, "nft", "-f", "-"],
+                stdin=_NFT_RULES.format(
+                    subnet=f"192.168.{k + 1}.0/24", flags=" fully-random" if k in self.symmetric else ""
+                ),
             )
 
     def _attach(self, role: str, ifname: str, ip: str) -> None:

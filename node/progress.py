@@ -17,6 +17,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"peer id       {status['peer_id']}",
         f"role          {status['role']}",
         f"reachability  {status['reachability']}",
+        f"              {status['network']}",
         "addresses     " + ("\n              ".join(status["addrs"]) or "(none)"),
         f"run           {status['run_id'] or '(none: serving the DHT only)'}",
     ]
@@ -24,7 +25,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"state         {status['members']} members, digest {status['state_digest']}")
     lines.append(f"peers live    {status['peers_seen']} ({status['connections']} connections)")
     for peer in status["peers"]:
-        link = "connected" if peer["connected"] else "via gossip"
+        link = peer["connection"] or "via gossip"
         lines.append(f"  {peer['peer_id']}  {peer['role'] or '?':9} {link:10} seen {peer['last_seen_s']:.1f} s ago")
     lines.append(f"uptime        {status['uptime_s']:.0f} s")
     return "\n".join(lines)
@@ -43,6 +44,7 @@ async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
     _say("doing: keeping the run state in sync (training arrives with a later release); Ctrl-C to leave")
     seen = {p["peer_id"] for p in status["peers"]}
     digest, members = status["state_digest"], status["members"]
+    network = ""
     while True:
         await trio.sleep(POLL_INTERVAL_S)
         status = daemon.status()
@@ -53,4 +55,10 @@ async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
             _say(f"- peer {short_peer(peer_id)} went silent ({len(now_seen)} peers)")
         if (status["state_digest"], status["members"]) != (digest, members):
             _say(f"state: {status['members']} members, digest {status['state_digest']}")
-        seen, digest, members = now_seen, status["state_digest"], status["members"]
+        nat = status["nat"]
+        line = f"reachability {nat['reachability']}, relay slots {len(nat['reservations'])}"
+        kinds = {short_peer(p["peer_id"]): p["connection"] for p in status["peers"] if p["connection"]}
+        line += ", peers " + (", ".join(f"{p} {kind}" for p, kind in sorted(kinds.items())) or "none connected")
+        if line != network:
+            _say(line)
+        seen, digest, members, network = now_seen, status["state_digest"], status["members"], line

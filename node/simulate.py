@@ -1,4 +1,10 @@
-"""``swarmtrain simulate``: a bootstrap node and N daemons as separate processes on loopback.
+"""``swarmtrain simulate``: a bootstrap node and N daemons as separate processes on one machine.
+
+``--topology loopback`` (default) puts every node on 127.0.0.1. ``--topology nat`` builds a
+small internet in network namespaces (node/netbed.py, needs root): the bootstrap node on a
+public address, each daemon behind its own NAT, so nodes must find relays, reserve slots
+and hole-punch to reach each other; ``--symmetric-nats K`` makes the last K NATs
+port-randomising (their hosts cannot hole-punch and stay relayed).
 
 The bootstrap node starts the run; the others get its address and the run id, find each
 other through the DHT and the run document, and converge. A live table shows each node's
@@ -14,7 +20,12 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
          and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
          "bytes_per_update", "log_entries", "rebuilds", "start_round",
-         "checkpoint_round" (a late joiner: the round of the checkpoint it fetched)}]}
+         "checkpoint_round" (a late joiner: the round of the checkpoint it fetched),
+         and always: "connections" {peer_id: "direct" | "relayed"}, "reachability",
+         "relay_reservations" [relay peer ids], "first_direct_s" (from the node's start to its
+         first direct connection to a peer it had reached by relay; null if none)}],
+         "topology": str, "pairs": {"direct", "relayed", "unconnected"} over daemon pairs,
+         "direct_pair_fraction": float}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
 first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
 """
@@ -34,6 +45,7 @@ from node import api
 from node.children import Child, start_forkserver
 from node.config import TRAINING_ALGORITHMS
 from node.errors import ApiError, ConfigError, NodeError
+from node.netbed import Netbed, NetbedUnavailable
 
 MAX_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -41,6 +53,11 @@ CONVERGE_TIMEOUT_S = 120.0
 TRAIN_TIMEOUT_S = 3600.0
 STOP_GRACE_S = 10.0
 API_WAIT_S = 60.0
+TOPOLOGIES = ("loopback", "nat")
+NAT_PORT = 4001
+# Behind NATs, a pair still relayed this long after every pair connected stays relayed
+# (DCUtR tries three times, seconds apart).
+NAT_SETTLE_S = 45.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +84,9 @@ class SimulationOptions:
     """Start the last node only once the others are a quarter of the way through their rounds."""
     kill_after_s: float | None = None
     """Kill the last node (SIGKILL) this long after training starts: the others must finish."""
+    topology: str = "loopback"
+    symmetric_nats: int = 0
+    """With --topology nat: this many NATs (the last ones) randomise ports."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -81,6 +101,10 @@ class SimulationOptions:
             raise ConfigError(f"--algorithm: must be one of {', '.join(TRAINING_ALGORITHMS)}, got {self.algorithm!r}")
         if self.rounds < 1 or self.inner_steps < 1:
             raise ConfigError("--rounds and --inner-steps: must be >= 1")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
+            raise ConfigError(f"--symmetric-nats: must be 0 to --nodes ({self.num_nodes}), with --topology nat")
 
     def run_flags(self) -> list[str]:
         """What the run trains (the bootstrap node writes it into the manifest)."""
@@ -105,11 +129,44 @@ class _Node:
     converged_s: float | None = None
 
 
-def _start(name: str, base: Path, flags: list[str]) -> _Node:
-    data_dir = base / name
-    data_dir.mkdir(mode=0o700)
-    argv = ["node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof", *flags]
-    return _Node(name, data_dir, Child(argv, data_dir / "node.log"))
+class _Placement:
+    """Where nodes run: all on loopback, or the bootstrap public and each daemon behind a NAT."""
+
+    def __init__(self, bed: Netbed | None) -> None:
+        self.bed = bed
+
+    def start(self, name: str, base: Path, flags: list[str], *, index: int | None) -> _Node:
+        """``index``: the daemon's number (its NAT); None for the bootstrap node."""
+        data_dir = base / name
+        data_dir.mkdir(mode=0o700)
+        listen, netns = "/ip4/127.0.0.1/tcp/0", None
+        if self.bed is not None:
+            listen = f"/ip4/0.0.0.0/tcp/{NAT_PORT}"
+            netns = self.bed.netns_path("pub" if index is None else f"host{index}")
+        argv = ["node", "--data-dir", str(data_dir), "--listen", listen, "--stop-on-stdin-eof", *flags]
+        return _Node(name, data_dir, Child(argv, data_dir / "node.log", netns=netns))
+
+    def bootstrap_addr(self, status: dict[str, Any]) -> str:
+        addrs: list[str] = status["addrs"]
+        if self.bed is None:
+            return addrs[0]
+        public = [a for a in addrs if a.startswith(f"/ip4/{self.bed.public_ip}/")]
+        if not public:
+            raise NodeError(f"the bootstrap node does not listen on {self.bed.public_ip}: {addrs}")
+        return public[0]
+
+
+async def _open_placement(options: SimulationOptions) -> _Placement:
+    if options.topology == "loopback":
+        return _Placement(None)
+    symmetric = frozenset(range(options.num_nodes - options.symmetric_nats, options.num_nodes))
+    bed = Netbed(num_nats=options.num_nodes, symmetric=symmetric)
+    try:
+        await trio.to_thread.run_sync(bed.open)
+    except NetbedUnavailable as exc:
+        raise NodeError(f"--topology nat needs network namespaces: {exc}") from exc
+    print(f"NAT test bed: bootstrap at {bed.public_ip}, {options.num_nodes} hosts behind separate NATs", flush=True)
+    return _Placement(bed)
 
 
 async def _wait_for_api(node: _Node) -> dict[str, Any]:
@@ -179,13 +236,16 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     nodes: list[_Node] = []
     start = trio.current_time()
     tty = sys.stdout.isatty()
+    placement = await _open_placement(options)
     try:
         start_forkserver(base / "forkserver.log")
         # The bootstrap node starts the run, so its manifest says what everyone trains.
-        boot = _start("boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.run_flags()])
+        boot = placement.start(
+            "boot", base, ["--new-run", "sim", "--role", "bootstrap", *options.run_flags()], index=None
+        )
         nodes.append(boot)
         boot_status = await _wait_for_api(boot)
-        run_id, boot_addr = boot_status["run_id"], boot_status["addrs"][0]
+        run_id, boot_addr = boot_status["run_id"], placement.bootstrap_addr(boot_status)
         print(f"bootstrap {boot_addr}\nrun {run_id}", flush=True)
         late: tuple[str, list[str]] | None = None
         for i in range(options.num_nodes):
@@ -193,7 +253,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
             if options.late_join and i == options.num_nodes - 1:
                 late = (f"n{i}", flags)  # started once the others are half way through
             else:
-                nodes.append(_start(f"n{i}", base, flags))
+                nodes.append(placement.start(f"n{i}", base, flags, index=i))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
         last_print = -1e9
@@ -201,6 +261,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         stop_reason = f"not {'converged' if options.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
         killed: set[str] = set()
         late_names: set[str] = set()
+        links_settled_at: float | None = None
         with trio.move_on_after(options.timeout_s):
             while True:
                 async with trio.open_nursery() as nursery:
@@ -226,7 +287,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     (n.status.get("training") or {}).get("rounds", 0) >= options.rounds // 4 for n in nodes[1:]
                 ):
                     print(f"starting {late[0]} late, as asked (the others are a quarter of the way)", flush=True)
-                    nodes.append(_start(late[0], base, late[1]))
+                    nodes.append(placement.start(late[0], base, late[1], index=options.num_nodes - 1))
                     late_names.add(late[0])
                     late = None
                 victim = nodes[-1]
@@ -245,17 +306,25 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     break
                 if converged_at is None and late is None and all(n.converged_s is not None for n in nodes):
                     converged_at = now
+                if placement.bed is not None and links_settled_at is None and _all_pairs_linked(nodes[1:]):
+                    links_settled_at = now
+                linked = placement.bed is None or (
+                    links_settled_at is not None
+                    and (_pairs(nodes[1:])["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
+                )
                 trained = options.algorithm == "none" or (
                     late is None
                     and all((n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed)
                     and _zo_settled(options, [n for n in nodes[1:] if n.name not in killed])
                 )
-                if converged_at is not None and trained and now - converged_at >= options.linger_s:
+                if converged_at is not None and trained and linked and now - converged_at >= options.linger_s:
                     stop_reason = "converged" if options.algorithm == "none" else "trained"
                     break
                 await trio.sleep(POLL_INTERVAL_S)
     finally:
         await _stop_all(nodes)
+        if placement.bed is not None:
+            placement.bed.close()
     wall_s = trio.current_time() - start
     print(_render(nodes, wall_s, options.num_nodes), flush=True)
     print(f"stopped: {stop_reason}", flush=True)
@@ -266,7 +335,35 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
         entry["late_join"] = entry["name"] in late_names
-    return {**report, "stop_reason": stop_reason}
+    pairs = _pairs(nodes[1:])
+    total = sum(pairs.values())
+    return {
+        **report,
+        "stop_reason": stop_reason,
+        "topology": options.topology,
+        "pairs": pairs,
+        "direct_pair_fraction": round(pairs["direct"] / total, 4) if total else None,
+    }
+
+
+def _links(node: _Node) -> dict[str, str]:
+    links = node.status.get("links")
+    return links if isinstance(links, dict) else {}
+
+
+def _pairs(daemons: list[_Node]) -> dict[str, int]:
+    """Over every pair of daemons: linked directly (by either side's view), only by relay, or not at all."""
+    counts = {"direct": 0, "relayed": 0, "unconnected": 0}
+    for i, a in enumerate(daemons):
+        for b in daemons[i + 1 :]:
+            a_id, b_id = a.status.get("peer_id", ""), b.status.get("peer_id", "")
+            kinds = {_links(a).get(b_id), _links(b).get(a_id)}
+            counts["direct" if "direct" in kinds else "relayed" if "relayed" in kinds else "unconnected"] += 1
+    return counts
+
+
+def _all_pairs_linked(daemons: list[_Node]) -> bool:
+    return _pairs(daemons)["unconnected"] == 0
 
 
 def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
@@ -281,6 +378,10 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
             "members": s.get("members", 0),
             "state_digest": s.get("state_digest"),
             "exit_code": node.process.returncode,
+            "connections": _links(node),
+            "reachability": s.get("reachability"),
+            "relay_reservations": sorted((s.get("nat") or {}).get("reservations", {})),
+            "first_direct_s": (s.get("nat") or {}).get("first_direct_s"),
             **_training_entry(s.get("training")),
         }
 
@@ -353,6 +454,14 @@ def simulate(options: SimulationOptions) -> int:
     status = "converged" if report["converged"] else "did NOT converge"
     slowest = max((n["state_converged_s"] for n in report["nodes"]), default=-1.0)
     print(f"{report['num_nodes']} nodes {status}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s")
+    if options.topology == "nat":
+        pairs = report["pairs"]
+        firsts = sorted(n["first_direct_s"] for n in report["nodes"] if n["first_direct_s"] is not None)
+        print(
+            f"behind NATs: {pairs['direct']} pairs direct, {pairs['relayed']} relayed, "
+            f"{pairs['unconnected']} unconnected (direct fraction {report['direct_pair_fraction']}); "
+            f"first direct connection {firsts[0] if firsts else '-'} s after a node started"
+        )
     trained = [n for n in report["nodes"] if n.get("loss_curve")]
     if trained:
         finals = [n["final_loss"] for n in trained]

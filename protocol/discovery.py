@@ -59,6 +59,7 @@ class Discovery:
         self.found: set[str] = set()
         """Run peers that DHT look-ups turned up."""
         self.bootstrapped = trio.Event()
+        self._reprovide = trio.Event()
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -104,15 +105,21 @@ class Discovery:
                 nursery.start_soon(dial, peer)
         return bool(reached)
 
+    def reprovide(self) -> None:
+        """Announce again now (our addresses changed: a relay slot came or went)."""
+        self._reprovide.set()
+
     async def _provide_loop(self) -> None:
         assert self._run_id is not None
         while True:
+            self._reprovide = trio.Event()
             try:
                 await self._host.dht_provide(run_key(self._run_id))
                 logger.debug("announced run %s in the DHT", self._run_id)
             except ProtocolError as exc:
                 logger.warning("could not announce the run in the DHT: %s", exc)
-            await trio.sleep(REPROVIDE_INTERVAL_S)
+            with trio.move_on_after(REPROVIDE_INTERVAL_S):
+                await self._reprovide.wait()
 
     async def _lookup_loop(self) -> None:
         assert self._run_id is not None

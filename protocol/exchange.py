@@ -148,6 +148,10 @@ async def send_tensors(
     data = memoryview(payload.data).cast("B")
     if len(data) != sum(s.nbytes for s in payload.specs):
         raise ValueError("payload bytes do not match its specs")
+    refusal = host.tensor_refusal(peer_id)
+    if refusal is not None:
+        raise ProtocolError(f"not sending tensors to {peer_id}: {refusal}")
+    limit = host.tensor_limit(peer_id, limit)
     peer_ip = host.direct_ip(peer_id) if direct else None
     header = {
         "round": payload.round,
@@ -256,6 +260,11 @@ class TensorReceiver:
         if self._peers.is_banned(stream.peer_id):
             await stream.reset()
             return
+        refusal = self._host.tensor_refusal(stream.peer_id)
+        if refusal is not None:
+            self.num_refused += 1
+            await wire.send(stream, "ack", VERSION, {"ok": False, "reason": refusal})
+            return
         lease = _Lease(self._pool)
         try:
             with trio.move_on_after(self._timeout_s) as scope:
@@ -288,7 +297,8 @@ class TensorReceiver:
             raise BadMessage(f"unknown channel {channel!r}")
         buffer = lease.take(nbytes)
         view = memoryview(buffer)
-        if channel == "direct" and self._channel is not None:
+        # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
+        if channel == "direct" and self._channel is not None and self._host.nat.status.reachability != "private":
             token = self._channel.expect(view)
             try:
                 await wire.send(stream, "go", VERSION, {"port": self._channel.port, "token": token})

@@ -48,6 +48,8 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import DialError, ProtocolError, StreamError
+from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, RelayPolicy, is_circuit, remote_ipv4, socket_stream_of
+from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +190,16 @@ class Host:
         self._host = raw.host
         self._dht = raw.dht
         self._pubsub = raw.pubsub
+        self.nat = raw.nat
         self.peer_id: str = raw.host.get_id().to_base58()
+        self.relayed_tensor_limit: RateLimit | None = None
+        """Tensors over relayed connections: None never (the default), else at this cap."""
 
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
 
-        A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses.
+        A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses; behind
+        a NAT, our relay circuit addresses come last.
         """
         result: list[str] = []
         for addr in (str(a) for a in self._host.get_addrs()):
@@ -202,7 +208,29 @@ class Host:
                 result.extend(f"/ip4/{ip}/{rest}" for ip in _local_ipv4_addrs())
             else:
                 result.append(addr)
+        result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.our_circuit_addrs())
         return result
+
+    def connection_type(self, peer_id: str) -> str | None:
+        """ "direct", "relayed" (only through a relay) or None (not connected)."""
+        return self.nat.connection_type(peer_id)
+
+    def tensor_refusal(self, peer_id: str) -> str | None:
+        """Why tensors may not travel between us and ``peer_id`` now, or None if they may.
+
+        The policy: tensors only over direct connections; a relay carries control traffic,
+        unless the user opted in with a cap (``relayed_tensor_limit``). Relays are other
+        volunteers' uplinks, and their limits would cut a payload off half way.
+        """
+        if self.relayed_tensor_limit is None and self.connection_type(peer_id) == "relayed":
+            return "tensors go only over direct connections, and this peer is reached through a relay"
+        return None
+
+    def tensor_limit(self, peer_id: str, upload: RateLimit) -> RateLimit:
+        """The rate a tensor upload to ``peer_id`` may use: ``upload``, and the relayed cap if relayed."""
+        if self.relayed_tensor_limit is not None and self.connection_type(peer_id) == "relayed":
+            return ChainedLimit(upload, self.relayed_tensor_limit)
+        return upload
 
     def transport_addrs(self) -> list[str]:
         """Addresses we listen on (no /p2p suffix)."""
@@ -210,15 +238,8 @@ class Host:
 
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
-        try:
-            conns = self._host.get_network().connections.get(_parse_peer_id(peer_id), [])
-        except DialError:
-            return None
-        for conn in conns:
-            stream = _socket_stream_of(conn)
-            if stream is not None and stream.socket.family == socket.AF_INET:
-                return str(stream.socket.getpeername()[0])
-        return None
+        remote = remote_ipv4(self._host, peer_id)
+        return remote[0] if remote else None
 
     def socket_streams(self, peer_id: str) -> list[trio.SocketStream]:
         """The TCP streams under our direct connections to a peer (for measuring bytes on the wire)."""
@@ -226,27 +247,49 @@ class Host:
             conns = self._host.get_network().connections.get(_parse_peer_id(peer_id), [])
         except DialError:
             return []
-        return [s for s in (_socket_stream_of(c) for c in conns) if s is not None]
+        return [s for s in (socket_stream_of(c) for c in conns) if s is not None]
 
     def connected_peers(self) -> set[str]:
         return {p.to_base58() for p in self._host.get_connected_peers()}
 
     async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
-        """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure."""
+        """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure.
+
+        Direct addresses first; if they fail and the peer may sit behind a NAT, through a
+        relay: its own circuit addresses, then the relays we hold reservations on.
+        """
         if peer.peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
         try:
-            addrs = [multiaddr.Multiaddr(a) for a in peer.addrs]
+            addrs = [multiaddr.Multiaddr(a) for a in peer.addrs if not is_circuit(a)]
         except _ADDR_ERRORS as exc:
             raise DialError(f"bad address for {peer.peer_id}: {exc}") from exc
         info = PeerInfo(_parse_peer_id(peer.peer_id), addrs)
-        with trio.move_on_after(timeout_s) as scope:
-            try:
-                await self._host.connect(info)
-            except (BaseLibp2pError, OSError) as exc:
-                raise DialError(f"dial {peer.peer_id} failed: {exc}") from exc
-        if scope.cancelled_caught:
-            raise DialError(f"dial {peer.peer_id} timed out after {timeout_s:g} s")
+        circuits = self.nat.circuit_addrs_for(peer.peer_id, list(peer.addrs))
+        deadline = trio.current_time() + timeout_s
+        direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
+        error = f"dial {peer.peer_id} timed out after {direct_s:g} s"
+        connected = bool(self._host.get_network().connections.get(info.peer_id))
+        if addrs or connected:
+            with trio.move_on_after(direct_s):
+                try:
+                    await self._host.connect(info)
+                    connected = True
+                except (BaseLibp2pError, OSError) as exc:
+                    error = f"dial {peer.peer_id} failed: {exc}"
+        for circuit in circuits if not connected else []:
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    await self.nat.dial_circuit(circuit)
+                    connected = True
+                    break
+                except DialError as exc:
+                    error = f"{error}; {exc}"
+            if scope.cancelled_caught:
+                error = f"{error}; relayed dial timed out"
+                break
+        if not connected:
+            raise DialError(error)
         try:
             await self._dht.add_peer(info.peer_id)
         except (BaseLibp2pError, OSError) as exc:
@@ -373,6 +416,7 @@ class _RawParts:
     host: IHost
     dht: KadDHT
     pubsub: Pubsub
+    nat: Nat
 
 
 def key_pair_from_seed(seed: bytes) -> KeyPair:
@@ -385,21 +429,8 @@ def peer_id_from_seed(seed: bytes) -> str:
     return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
 
 
-def _socket_stream_of(conn: object) -> trio.SocketStream | None:
-    """The TCP socket under a connection: conn → muxer → security → raw → trio stream.
-
-    A relayed connection ends in a stream over another peer, not in a socket: None.
-    """
-    layer: object = getattr(conn, "muxed_conn", None)
-    for _ in range(8):  # the stack is 5 layers deep in 0.8.1
-        if layer is None or isinstance(layer, trio.SocketStream):
-            break
-        layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
-    return layer if isinstance(layer, trio.SocketStream) else None
-
-
 def _socket_streams(raw_host: IHost) -> list[trio.SocketStream]:
-    streams = (_socket_stream_of(c) for conns in list(raw_host.get_network().connections.values()) for c in conns)
+    streams = (socket_stream_of(c) for conns in list(raw_host.get_network().connections.values()) for c in conns)
     return [s for s in streams if s is not None]
 
 
@@ -426,8 +457,16 @@ async def open_host(
     announce_addrs: list[str],
     mdns: bool = False,
     gossip_degree: int = 8,
+    relay: RelayPolicy | None = None,
+    preferred_peers: list[str] | None = None,
+    relayed_tensors_mbps: float = 0.0,
 ) -> AsyncIterator[Host]:
-    """Start a host listening on ``listen_addrs`` with its DHT (server mode) and GossipSub."""
+    """Start a host listening on ``listen_addrs`` with its DHT (server mode), GossipSub and
+    NAT traversal (protocol/nat.py: reachability checks, relay, hole punching).
+
+    ``preferred_peers``: asked first for dial-backs and relay slots (the bootstrap peers).
+    ``relayed_tensors_mbps``: > 0 lets tensors cross relays at that cap (``Host.tensor_refusal``).
+    """
     for addr in listen_addrs:
         ensure_port_free(addr)
     key_pair = key_pair_from_seed(identity_seed)
@@ -458,15 +497,26 @@ async def open_host(
     )
     pubsub = Pubsub(raw_host, router, max_inbound_rpc_size=GOSSIP_MAX_RPC_NBYTES)
     dht = KadDHT(raw_host, DHTMode.SERVER, protocol_prefix=TProtocol(DHT_PROTOCOL_PREFIX))
+    # Its relay and hole-punch handlers exist before any connection (identify tells peers
+    # our protocols once, when we connect).
+    nat = Nat(raw_host, relay or RelayPolicy())
+    nat.prefer(preferred_peers or [])
+    host = Host(_RawParts(raw_host, dht, pubsub, nat))
+    if relayed_tensors_mbps > 0:
+        host.relayed_tensor_limit = RateLimit.from_mbps(relayed_tensors_mbps)
+    nat.set_dialback_handler(host)
     async with AsyncExitStack() as stack:
         try:
             await stack.enter_async_context(raw_host.run(listen))
         except (BaseLibp2pError, OSError) as exc:
             raise DialError(f"cannot listen on {listen_addrs}: {exc}") from exc
-        # Registered last, so closed first: the host closes before its services exit
-        # (else "Nursery is closed" at shutdown) and before host.run() exits (else leaks).
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
         await stack.enter_async_context(background_trio_service(dht))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
+        await nursery.start(nat.run, host)
+        # Registered last, so run first: the host closes before its services exit
+        # (else "Nursery is closed" at shutdown) and before host.run() exits (else leaks).
         stack.push_async_callback(_close, raw_host)
-        yield Host(_RawParts(raw_host, dht, pubsub))
+        yield host

@@ -122,7 +122,8 @@ class Pairing:
             self._last_round = max(self._last_round, round_index)
 
     async def _pair(self, current: _Round, candidates: list[str]) -> None:
-        order = random.sample(candidates, len(candidates))
+        allowed = [p for p in candidates if self._host.tensor_refusal(p) is None]
+        order = random.sample(allowed, len(allowed))
         while current.partner is None:
             if not order:
                 return  # everyone is paired for this round or already past it: go on alone now
@@ -179,8 +180,11 @@ class Pairing:
         round_index = wire.get_int(request, "round", lo=0, hi=1 << 62)
         nbytes = wire.get_int(request, "nbytes", lo=0, hi=1 << 40)
         current = self._round
+        refusal = self._host.tensor_refusal(stream.peer_id)
         # "never": the asker should stop asking us for this round; "later": ask again.
-        if current is None:
+        if refusal is not None:
+            verdict: tuple[str, str] | None = ("never", refusal)
+        elif current is None:
             verdict = ("never", "past that round") if self._last_round >= round_index else ("later", "computing")
         elif current.index != round_index:
             verdict = ("never", "past that round") if current.index > round_index else ("later", "behind")

@@ -39,3 +39,15 @@ class RateLimit:
 
 
 UNLIMITED = RateLimit(None)
+
+
+class ChainedLimit(RateLimit):
+    """Each take spends on every limit in turn: the tightest sets the pace."""
+
+    def __init__(self, *limits: RateLimit) -> None:
+        super().__init__(None)
+        self._limits = limits
+
+    async def take(self, nbytes: int) -> None:
+        for limit in self._limits:
+            await limit.take(nbytes)

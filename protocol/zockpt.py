@@ -28,6 +28,7 @@ from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, Stream
 from protocol.peers import PeerTable
+from protocol.ratelimit import UNLIMITED
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,10 @@ class ZoCheckpoints:
         with trio.fail_after(HEADER_TIMEOUT_S):
             request = await wire.receive(stream, msg_types=frozenset({"ckpt?"}), version=VERSION, max_nbytes=4096)
         offer = self.offer
-        if wire.get_str(request, "run", max_len=64) != self._run_id or offer is None:
+        refusal = self._host.tensor_refusal(stream.peer_id)
+        if refusal is not None:
+            logger.info("no checkpoint for %s: %s", stream.peer_id, refusal)
+        if wire.get_str(request, "run", max_len=64) != self._run_id or offer is None or refusal is not None:
             await wire.send(stream, "none", VERSION, {})
             await stream.close()
             return
@@ -124,6 +128,8 @@ class ZoCheckpoints:
             # The file is never rewritten in place (one file per round), so it matches the header.
             async with await trio.open_file(offer.path, "rb") as source:
                 await wire.send(stream, "ckpt", VERSION, header)
+                limit = self._host.tensor_limit(stream.peer_id, UNLIMITED)  # capped if opted in over a relay
                 while chunk := await source.read(CHUNK_NBYTES):
+                    await limit.take(len(chunk))
                     await stream.write(chunk)
             await stream.close()

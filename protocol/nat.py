@@ -1,0 +1,502 @@
+"""Getting through NATs: reachability checks, a bounded relay service, relay reservations, DCUtR.
+
+Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. So:
+
+- **Reachability** ("AutoNAT"): a node asks up to three peers it reached directly to dial
+  it back (``/swarmtrain/autonat/1.0.0``). The asked peer opens a fresh TCP connection to
+  the *IP it sees the asker on* (never another, so nobody can aim it at a third party) at
+  each listen port the asker named (at most four), and says which ports answered. One
+  success makes us ``public``; answers that all failed make us ``private``; no answer
+  leaves us ``unknown``. Checked at start, whenever our listen addresses change, while
+  still unknown, and every ``RECHECK_INTERVAL_S``.
+
+  Why not libp2p's own AutoNAT service: in py-libp2p 0.8.1 its dial-back calls
+  ``host.connect``, which returns at once when a connection to the asker exists, and the
+  asker is always connected to it, so every dial-back "succeeds" (basic_host.py
+  ``connect``). A fresh TCP connection is the honest test.
+
+- **Relay service**: a public node offers circuit relay v2 (libp2p's ``CircuitV2Protocol``)
+  with bounded reservations, circuits, bytes and seconds per circuit (``RelayPolicy``).
+  The HOP handler is registered at start (identify tells peers our protocols once, when
+  we connect) and refuses while we are not public (``relay = "auto"``).
+
+- **Reservations**: a private node reserves a slot on up to ``WANTED_RELAYS`` relays among
+  the peers it reached, and its addresses then include
+  ``<relay addr>/p2p/<relay>/p2p-circuit``. Peers that cannot dial us directly dial that.
+
+- **DCUtR**: libp2p's ``DCUtRProtocol`` tries to hole-punch every relayed connection (both
+  sides dial each other's observed address at once); a success leaves a direct connection
+  and the relayed one is closed after a grace period. Needs endpoint-independent ("cone")
+  NATs; behind a port-randomising NAT the pair stays relayed.
+
+Nothing here carries tensors: the policy (tensors only over direct connections) is the
+callers' (``Host.connection_type``, protocol/pairing.py).
+"""
+
+import logging
+import random
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+from protocol import wire
+from protocol.errors import BadMessage, DialError, ProtocolError
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+    from protocol.host import Host, Stream
+
+logger = logging.getLogger(__name__)
+
+AUTONAT_PROTOCOL_ID = "/swarmtrain/autonat/1.0.0"
+VERSION = 1
+MAX_FRAME_NBYTES = 1024
+MAX_PORTS = 4
+DIALBACK_TIMEOUT_S = 3.0
+ASK_TIMEOUT_S = 2 * DIALBACK_TIMEOUT_S + 2.0
+# A peer may ask us to dial back at most this often (the dial-back costs us sockets).
+DIALBACK_COOLDOWN_S = 10.0
+SERVERS_PER_CHECK = 3
+RECHECK_INTERVAL_S = 600.0
+# How often the loops look at connections and addresses (cheap: dict scans).
+POLL_S = 1.0
+WANTED_RELAYS = 2
+RESERVE_RETRY_S = 30.0
+# Before falling back to a relay, how long a direct dial of a peer that has relay
+# addresses may take (a NAT drops our SYNs silently: only a timeout tells).
+DIRECT_FIRST_TIMEOUT_S = 3.0
+DCUTR_DIAL_TIMEOUT_S = 5
+
+REACHABILITY = ("unknown", "public", "private")
+RELAY_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPolicy:
+    """What a node offering relay allows; every limit bounds what strangers cost us."""
+
+    mode: str = "auto"
+    """auto: offer while AutoNAT says we are public; on: always; off: never."""
+    max_reservations: int = 32
+    max_circuits: int = 64
+    circuit_duration_s: int = 3600
+    circuit_data_mib: int = 64
+    """Per relayed connection, both directions together: control traffic only fits."""
+
+    def libp2p_limits(self) -> RelayLimits:
+        return RelayLimits(
+            duration=self.circuit_duration_s,
+            data=self.circuit_data_mib << 20,
+            max_circuit_conns=self.max_circuits,
+            max_reservations=self.max_reservations,
+        )
+
+
+@dataclass(slots=True)
+class Reservation:
+    relay: str
+    relay_addr: str
+    """The relay's transport address as we reached it (``/ip4/…/tcp/…``)."""
+    since: float
+
+    @property
+    def circuit_addr(self) -> str:
+        return f"{self.relay_addr}/p2p/{self.relay}/p2p-circuit"
+
+
+@dataclass(slots=True)
+class NatStatus:
+    reachability: str = "unknown"
+    observed_ip: str | None = None
+    checks: int = 0
+    offering_relay: bool = False
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    first_direct_s: float | None = None
+    """Seconds from start to the first direct connection to a peer we had reached only by relay."""
+
+
+def is_circuit(addr: str) -> bool:
+    return "/p2p-circuit" in addr
+
+
+def _peer(peer_id: str) -> ID:
+    try:
+        return ID.from_base58(peer_id)
+    except (ValueError, BaseLibp2pError) as exc:
+        raise DialError(f"invalid peer id {peer_id!r}") from exc
+
+
+class Nat:
+    """Reachability, relay service, reservations and hole punching for one host.
+
+    Built by ``open_host`` before the host connects anywhere (its stream handlers must be
+    in the first identify our peers see); ``Host.nat`` is this.
+    """
+
+    def __init__(self, raw_host: IHost, policy: RelayPolicy) -> None:
+        self._raw = raw_host
+        self.policy = policy
+        self.status = NatStatus()
+        self.changed = trio.Event()
+        """Set (and replaced) whenever reachability or our relay addresses change."""
+        self._preferred: list[str] = []
+        self._dialback_last: dict[str, float] = {}
+        self._reserve_failed: dict[str, float] = {}
+        self._relayed_once: set[str] = set()
+        self._started_at = 0.0
+        self._nursery: trio.Nursery | None = None
+        limits = policy.libp2p_limits()
+        self._circuit = CircuitV2Protocol(raw_host, limits=limits, allow_hop=False)
+        roles = RelayRole.STOP | RelayRole.CLIENT
+        self._transport = CircuitV2Transport(raw_host, self._circuit, RelayConfig(roles=roles, limits=limits))
+        self._dcutr = DCUtRProtocol(raw_host, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
+        if policy.mode != "off":
+            raw_host.set_stream_handler(HOP_PROTOCOL_ID, self._serve_hop)
+
+    def prefer(self, peer_ids: list[str]) -> None:
+        """Ask these first for dial-backs and reservations (the bootstrap peers)."""
+        self._preferred = list(peer_ids)
+
+    def set_dialback_handler(self, host: "Host") -> None:
+        host.set_handler(AUTONAT_PROTOCOL_ID, self._serve_dialback)
+
+    async def run(self, host: "Host", *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+        self._started_at = trio.current_time()
+        async with (
+            background_trio_service(self._circuit),
+            background_trio_service(self._dcutr),
+            trio.open_nursery() as nursery,
+        ):
+            self._nursery = nursery
+            nursery.start_soon(self._reachability_loop, host)
+            nursery.start_soon(self._reservation_loop, host)
+            nursery.start_soon(self._watch_connections, host)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # --- connection types ---
+
+    def connection_type(self, peer_id: str) -> str | None:
+        """ "direct" if any connection to the peer is a TCP socket of ours, "relayed" if all
+        go through a relay, None if not connected."""
+        try:
+            conns = self._raw.get_network().connections.get(_peer(peer_id), [])
+        except DialError:
+            return None
+        if not conns:
+            return None
+        return "direct" if any(socket_stream_of(c) is not None for c in conns) else "relayed"
+
+    def connection_types(self) -> dict[str, str]:
+        types = {}
+        for peer in list(self._raw.get_network().connections):
+            kind = self.connection_type(peer.to_base58())
+            if kind is not None:
+                types[peer.to_base58()] = kind
+        return types
+
+    async def _watch_connections(self, host: "Host") -> None:
+        """Notes peers reached by relay, and when the first of them became direct."""
+        while True:
+            for peer_id, kind in self.connection_types().items():
+                if kind == "relayed":
+                    self._relayed_once.add(peer_id)
+                elif peer_id in self._relayed_once and self.status.first_direct_s is None:
+                    self.status.first_direct_s = round(trio.current_time() - self._started_at, 3)
+                    logger.info("hole punch: direct connection to %s", peer_id)
+            await trio.sleep(POLL_S)
+
+    # --- dialing through relays ---
+
+    def circuit_addrs_for(self, peer_id: str, known: list[str]) -> list[str]:
+        """Circuit addresses to try for ``peer_id``: its own, then through our relays."""
+        ours = [f"{r.circuit_addr}/p2p/{peer_id}" for r in self.status.reservations.values() if r.relay != peer_id]
+        theirs = [a if a.endswith(f"/p2p/{peer_id}") else f"{a}/p2p/{peer_id}" for a in known if is_circuit(a)]
+        return list(dict.fromkeys(theirs + ours))
+
+    async def dial_circuit(self, addr: str) -> None:
+        try:
+            await self._transport.dial(multiaddr.Multiaddr(addr))
+        except (BaseLibp2pError, OSError, ConnectionError, ValueError) as exc:
+            raise DialError(f"relayed dial {addr} failed: {exc}") from exc
+
+    def our_circuit_addrs(self) -> list[str]:
+        return [r.circuit_addr for r in self.status.reservations.values()]
+
+    # --- relay service ---
+
+    def _offering(self) -> bool:
+        return self.policy.mode == "on" or (self.policy.mode == "auto" and self.status.reachability == "public")
+
+    async def _serve_hop(self, stream: INetStream) -> None:
+        if not self._offering():
+            logger.debug("refused a relay request from %s: not offering relay", stream.muxed_conn.peer_id)
+            await stream.reset()
+            return
+        await self._circuit._handle_hop_stream(stream)
+
+    # --- reachability ---
+
+    async def _serve_dialback(self, stream: "Stream") -> None:
+        request = await wire.receive(
+            stream, msg_types=frozenset({"dialback?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+        )
+        ports = request.get("ports")
+        if not isinstance(ports, list) or not 1 <= len(ports) <= MAX_PORTS:
+            raise BadMessage(f"dialback?: 'ports' must be a list of 1-{MAX_PORTS} ports")
+        checked = [wire.get_int({"p": p}, "p", lo=1, hi=65535) for p in ports]
+        now = trio.current_time()
+        last = self._dialback_last.get(stream.peer_id)
+        if last is not None and now - last < DIALBACK_COOLDOWN_S:
+            await wire.send(stream, "dialback", VERSION, {"ok": [], "ip": "", "refused": "asked too often"})
+            return
+        self._dialback_last[stream.peer_id] = now
+        if len(self._dialback_last) > 4096:  # bounded: forget the oldest
+            for peer in sorted(self._dialback_last, key=self._dialback_last.__getitem__)[:2048]:
+                del self._dialback_last[peer]
+        ip = self._observed_ip(stream.peer_id)
+        if ip is None:
+            await wire.send(stream, "dialback", VERSION, {"ok": [], "ip": "", "refused": "not a direct connection"})
+            return
+        reached: list[int] = []
+
+        async def try_port(port: int) -> None:
+            with trio.move_on_after(DIALBACK_TIMEOUT_S):
+                try:
+                    conn = await trio.open_tcp_stream(ip, port)
+                except OSError:
+                    return
+                await trio.aclose_forcefully(conn)
+                reached.append(port)
+
+        async with trio.open_nursery() as nursery:
+            for port in dict.fromkeys(checked):
+                nursery.start_soon(try_port, port)
+        await wire.send(stream, "dialback", VERSION, {"ok": sorted(reached), "ip": ip})
+
+    def _observed_ip(self, peer_id: str) -> str | None:
+        remote = remote_ipv4(self._raw, peer_id)
+        return remote[0] if remote else None
+
+    def _listen_ports(self) -> list[int]:
+        ports = []
+        for addr in self._raw.get_transport_addrs():
+            try:
+                ports.append(int(addr.value_for_protocol("tcp")))
+            except (BaseLibp2pError, ValueError, multiaddr.exceptions.Error):
+                continue
+        return sorted(set(ports))[:MAX_PORTS]
+
+    async def _ask_dialback(self, host: "Host", server: str, ports: list[int]) -> tuple[bool, str | None] | None:
+        """(reached, the IP it saw us on), or None if it gave no verdict."""
+        try:
+            with trio.fail_after(ASK_TIMEOUT_S):
+                stream = await host.open_stream(server, AUTONAT_PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
+                try:
+                    await wire.send(stream, "dialback?", VERSION, {"ports": ports})
+                    reply = await wire.receive(
+                        stream, msg_types=frozenset({"dialback"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+                    )
+                finally:
+                    await stream.close()
+        except (ProtocolError, trio.TooSlowError) as exc:
+            logger.debug("dial-back request to %s: %s", server, exc)
+            return None
+        if reply.get("refused"):
+            logger.debug("dial-back request to %s refused: %s", server, str(reply["refused"])[:100])
+            return None
+        ok = reply.get("ok")
+        ip = reply.get("ip")
+        if not isinstance(ok, list) or not isinstance(ip, str) or len(ip) > 64:
+            logger.info("dial-back answer from %s is malformed", server)
+            return None
+        return bool(set(ok) & set(ports)), ip or None
+
+    def _servers(self, host: "Host") -> list[str]:
+        direct = [p for p, kind in self.connection_types().items() if kind == "direct"]
+        preferred = [p for p in self._preferred if p in direct]
+        others = [p for p in direct if p not in preferred]
+        random.shuffle(others)
+        return (preferred + others)[:SERVERS_PER_CHECK]
+
+    async def check_reachability(self, host: "Host") -> str:
+        ports = self._listen_ports()
+        servers = self._servers(host)
+        if not ports or not servers:
+            return self.status.reachability
+        verdicts: list[tuple[bool, str | None]] = []
+
+        async def ask(server: str) -> None:
+            verdict = await self._ask_dialback(host, server, ports)
+            if verdict is not None:
+                verdicts.append(verdict)
+
+        async with trio.open_nursery() as nursery:
+            for server in servers:
+                nursery.start_soon(ask, server)
+        self.status.checks += 1
+        if not verdicts:
+            return self.status.reachability
+        reachability = "public" if any(reached for reached, _ in verdicts) else "private"
+        observed = next((ip for _, ip in verdicts if ip), None)
+        if reachability != self.status.reachability or observed != self.status.observed_ip:
+            logger.info("reachability: %s (seen as %s by %d peer(s))", reachability, observed, len(verdicts))
+            self.status.reachability = reachability
+            self.status.observed_ip = observed
+            self.status.offering_relay = self._offering()
+            self._notify()
+        return reachability
+
+    async def _reachability_loop(self, host: "Host") -> None:
+        ports: list[int] = []
+        last_check = -RECHECK_INTERVAL_S
+        while True:
+            now = trio.current_time()
+            current_ports = self._listen_ports()
+            due = (
+                current_ports != ports
+                or self.status.reachability == "unknown"
+                or now - last_check >= RECHECK_INTERVAL_S
+            )
+            if due and self._servers(host):
+                ports = current_ports
+                last_check = now
+                await self.check_reachability(host)
+                if self.status.reachability == "unknown":
+                    await trio.sleep(5 * POLL_S)  # nobody answered: do not hammer them
+            await trio.sleep(POLL_S)
+
+    # --- reservations ---
+
+    async def _reservation_loop(self, host: "Host") -> None:
+        while True:
+            self._drop_lost_relays()
+            if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:
+                for relay in self._relay_candidates():
+                    await self._reserve(relay)
+                    if len(self.status.reservations) >= WANTED_RELAYS:
+                        break
+            await trio.sleep(POLL_S)
+
+    def _drop_lost_relays(self) -> None:
+        connected = {p.to_base58() for p in self._raw.get_connected_peers()}
+        lost = [r for r in self.status.reservations if r not in connected]
+        for relay in lost:
+            logger.info("lost the connection to relay %s; its reservation is gone", relay)
+            del self.status.reservations[relay]
+        if lost:
+            self._notify()
+
+    def _relay_candidates(self) -> list[str]:
+        now = trio.current_time()
+        candidates = []
+        for peer_id, kind in self.connection_types().items():
+            if kind != "direct" or peer_id in self.status.reservations:
+                continue
+            if now - self._reserve_failed.get(peer_id, -RESERVE_RETRY_S) < RESERVE_RETRY_S:
+                continue
+            try:
+                protocols = self._raw.get_peerstore().get_protocols(_peer(peer_id))
+            except (BaseLibp2pError, DialError, KeyError):
+                continue
+            if HOP_PROTOCOL_ID in protocols:
+                candidates.append(peer_id)
+        preferred = [p for p in self._preferred if p in candidates]
+        return preferred + [p for p in candidates if p not in preferred]
+
+    async def _reserve(self, relay: str) -> None:
+        relay_addr = self._transport_addr_of(relay)
+        if relay_addr is None:
+            return
+        ok = False
+        try:
+            with trio.fail_after(ASK_TIMEOUT_S):
+                stream = await self._raw.new_stream(_peer(relay), [TProtocol(HOP_PROTOCOL_ID)])
+                try:
+                    assert self._nursery is not None
+                    ok = await self._transport.reserve(stream, _peer(relay), self._nursery)
+                finally:
+                    await _close_quietly(stream)
+        except (BaseLibp2pError, OSError, DialError, trio.TooSlowError) as exc:
+            logger.debug("reservation on %s: %s", relay, exc)
+        if not ok:
+            self._reserve_failed[relay] = trio.current_time()
+            return
+        self.status.reservations[relay] = Reservation(relay, relay_addr, trio.current_time() - self._started_at)
+        logger.info("reserved a relay slot on %s (%s)", relay, relay_addr)
+        self._notify()
+
+    def _transport_addr_of(self, peer_id: str) -> str | None:
+        """The address we reached a peer on (its listen address when we dialed it)."""
+        remote = remote_ipv4(self._raw, peer_id)
+        return f"/ip4/{remote[0]}/tcp/{remote[1]}" if remote else None
+
+    def _notify(self) -> None:
+        self.status.offering_relay = self._offering()
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def summary(self) -> dict[str, Any]:
+        s = self.status
+        return {
+            "reachability": s.reachability,
+            "observed_ip": s.observed_ip,
+            "offering_relay": s.offering_relay,
+            "relay_mode": self.policy.mode,
+            "reservations": {r.relay: r.circuit_addr for r in s.reservations.values()},
+            "first_direct_s": s.first_direct_s,
+        }
+
+
+def socket_stream_of(conn: object) -> trio.SocketStream | None:
+    """The TCP socket under a connection: conn → muxer → security → raw → trio stream.
+
+    A relayed connection ends in a stream over another peer, not in a socket: None.
+    """
+    layer: object = getattr(conn, "muxed_conn", None)
+    for _ in range(8):  # the stack is 5 layers deep in 0.8.1
+        if layer is None or isinstance(layer, trio.SocketStream):
+            break
+        layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
+    return layer if isinstance(layer, trio.SocketStream) else None
+
+
+def remote_ipv4(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
+    """(IP, port) of the peer on our direct IPv4 connection to it; None if relayed or none."""
+    try:
+        conns = raw_host.get_network().connections.get(_peer(peer_id), [])
+    except DialError:
+        return None
+    for conn in conns:
+        sock = socket_stream_of(conn)
+        if sock is None or sock.socket.family != socket.AF_INET:
+            continue
+        try:
+            ip, port = sock.socket.getpeername()[:2]
+        except OSError:  # closed under us
+            continue
+        return str(ip), int(port)
+    return None
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except BaseLibp2pError as exc:
+        logger.debug("closing a relay stream: %s", exc)
