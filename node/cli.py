@@ -48,6 +48,9 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
     parser.add_argument("--relay", choices=config_module.RELAY_MODES, help="offer relay to peers behind NAT")
     parser.add_argument(
+        "--reachability", choices=config_module.REACHABILITY_MODES, help="skip the dial-back check: public or private"
+    )
+    parser.add_argument(
         "--relayed-tensors-mbps",
         type=float,
         metavar="MBIT",
@@ -73,6 +76,7 @@ _FLAG_TO_FIELD = {
     "mdns": "network.mdns",
     "upload_limit_mbps": "network.upload_limit_mbps",
     "relay": "network.relay",
+    "reachability": "network.reachability",
     "relayed_tensors_mbps": "network.relayed_tensors_mbps",
     "new_run": "run.new_run",
     "run": "run.run_id",

@@ -27,8 +27,9 @@ ROLES = ("trainer", "bootstrap", "observer")
 TRAINING_ALGORITHMS = ("none", *ALGORITHMS)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# protocol/nat.py's RELAY_MODES; repeated so reading a config never imports libp2p.
+# protocol/nat.py's RELAY_MODES and FORCED_REACHABILITY; repeated so reading a config never imports libp2p.
 RELAY_MODES = ("auto", "on", "off")
+REACHABILITY_MODES = ("auto", "public", "private")
 
 
 def default_data_dir() -> Path:
@@ -60,6 +61,8 @@ class NetworkConfig:
     """A relayed connection through us is closed after this long (the peers may reconnect)."""
     relay_circuit_data_mib: int = 64
     """Bytes a relayed connection through us may carry, both directions together."""
+    reachability: str = "auto"
+    """auto: peers dial us back to tell; public or private: skip the check (you know better)."""
     relayed_tensors_mbps: float = 0.0
     """Tensors over relayed connections: 0 never (default: control traffic only); > 0 allowed at this cap."""
 
@@ -78,6 +81,10 @@ class NetworkConfig:
         if not 0 <= self.relayed_tensors_mbps < 1e9:
             raise ConfigError(
                 f"network.relayed_tensors_mbps: must be >= 0 (0: never), got {self.relayed_tensors_mbps:g}"
+            )
+        if self.reachability not in REACHABILITY_MODES:
+            raise ConfigError(
+                f"network.reachability: must be one of {', '.join(REACHABILITY_MODES)}, got {self.reachability!r}"
             )
         if self.relay not in RELAY_MODES:
             raise ConfigError(f"network.relay: must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")

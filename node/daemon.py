@@ -82,6 +82,7 @@ class Daemon:
             max_circuits=net.relay_max_circuits,
             circuit_duration_s=net.relay_circuit_duration_s,
             circuit_data_mib=net.relay_circuit_data_mib,
+            reachability=net.reachability,
         )
         try:
             async with open_host(

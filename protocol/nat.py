@@ -36,6 +36,7 @@ callers' (``Host.connection_type``, protocol/pairing.py).
 import logging
 import random
 import socket
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ DIRECT_FIRST_TIMEOUT_S = 3.0
 DCUTR_DIAL_TIMEOUT_S = 5
 
 REACHABILITY = ("unknown", "public", "private")
+FORCED_REACHABILITY = ("auto", "public", "private")
 RELAY_MODES = ("auto", "on", "off")
 
 
@@ -98,6 +100,10 @@ class RelayPolicy:
     circuit_duration_s: int = 3600
     circuit_data_mib: int = 64
     """Per relayed connection, both directions together: control traffic only fits."""
+    reachability: str = "auto"
+    """auto: found by dial-backs; public or private: as told (the node knows better)."""
+    hole_punch: bool = True
+    """Upgrade relayed connections with DCUtR (off: they stay relayed)."""
 
     def libp2p_limits(self) -> RelayLimits:
         return RelayLimits(
@@ -153,8 +159,11 @@ class Nat:
         self._raw = raw_host
         self.policy = policy
         self.status = NatStatus()
+        if policy.reachability != "auto":
+            self.status.reachability = policy.reachability
+            self.status.offering_relay = self._offering()
         self.changed = trio.Event()
-        """Set (and replaced) whenever reachability or our relay addresses change."""
+        """Set (and replaced) whenever reachability, our relay slots or a connection's type change."""
         self._preferred: list[str] = []
         self._dialback_last: dict[str, float] = {}
         self._reserve_failed: dict[str, float] = {}
@@ -178,13 +187,14 @@ class Nat:
 
     async def run(self, host: "Host", *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = trio.current_time()
-        async with (
-            background_trio_service(self._circuit),
-            background_trio_service(self._dcutr),
-            trio.open_nursery() as nursery,
-        ):
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(background_trio_service(self._circuit))
+            if self.policy.hole_punch:
+                await stack.enter_async_context(background_trio_service(self._dcutr))
+            nursery = await stack.enter_async_context(trio.open_nursery())
             self._nursery = nursery
-            nursery.start_soon(self._reachability_loop, host)
+            if self.policy.reachability == "auto":
+                nursery.start_soon(self._reachability_loop, host)
             nursery.start_soon(self._reservation_loop, host)
             nursery.start_soon(self._watch_connections, host)
             task_status.started()
@@ -212,9 +222,15 @@ class Nat:
         return types
 
     async def _watch_connections(self, host: "Host") -> None:
-        """Notes peers reached by relay, and when the first of them became direct."""
+        """Notes peers reached by relay, when the first of them became direct, and tells
+        ``changed`` when any connection comes, goes or changes type (libp2p has no event)."""
+        last: dict[str, str] = {}
         while True:
-            for peer_id, kind in self.connection_types().items():
+            types = self.connection_types()
+            if types != last:
+                last = types
+                self._notify()
+            for peer_id, kind in types.items():
                 if kind == "relayed":
                     self._relayed_once.add(peer_id)
                 elif peer_id in self._relayed_once and self.status.first_direct_s is None:
@@ -389,7 +405,7 @@ class Nat:
             self._drop_lost_relays()
             if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:
                 for relay in self._relay_candidates():
-                    await self._reserve(relay)
+                    await self.reserve(relay)
                     if len(self.status.reservations) >= WANTED_RELAYS:
                         break
             await trio.sleep(POLL_S)
@@ -420,10 +436,13 @@ class Nat:
         preferred = [p for p in self._preferred if p in candidates]
         return preferred + [p for p in candidates if p not in preferred]
 
-    async def _reserve(self, relay: str) -> None:
+    async def reserve(self, relay: str) -> bool:
+        """Ask ``relay`` (a peer we reached directly) for a slot; True if we hold one now."""
+        if relay in self.status.reservations:
+            return True
         relay_addr = self._transport_addr_of(relay)
         if relay_addr is None:
-            return
+            return False
         ok = False
         try:
             with trio.fail_after(ASK_TIMEOUT_S):
@@ -437,10 +456,11 @@ class Nat:
             logger.debug("reservation on %s: %s", relay, exc)
         if not ok:
             self._reserve_failed[relay] = trio.current_time()
-            return
+            return False
         self.status.reservations[relay] = Reservation(relay, relay_addr, trio.current_time() - self._started_at)
         logger.info("reserved a relay slot on %s (%s)", relay, relay_addr)
         self._notify()
+        return True
 
     def _transport_addr_of(self, peer_id: str) -> str | None:
         """The address we reached a peer on (its listen address when we dialed it)."""

@@ -1,0 +1,176 @@
+"""NAT traversal on loopback: relay slots, relayed connections, the direct-only tensor policy, dial-backs.
+
+Real hosts on 127.0.0.1. Nothing is behind a NAT here, so reachability is told
+(``RelayPolicy.reachability``) and hole punching is off (on loopback it would upgrade every
+relayed connection at once); the real thing, across real NATs, is in test_netbed_nat.py.
+"""
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from protocol import exchange, nat, wire
+from protocol.errors import ProtocolError
+from protocol.exchange import Payload, TensorReceiver, TensorSpec
+from protocol.host import Host, PeerAddrs, open_host, parse_dial_addr
+from protocol.info import NodeInfo, ask_info, serve_info
+from protocol.pairing import Pairing
+from protocol.peers import PeerTable
+from protocol.ratelimit import RateLimit
+
+LISTEN = ["/ip4/127.0.0.1/tcp/0"]
+RELAY = nat.RelayPolicy(mode="on", reachability="public", hole_punch=False)
+BEHIND_NAT = nat.RelayPolicy(mode="off", reachability="private", hole_punch=False)
+
+
+def host(seed: int, policy: nat.RelayPolicy, preferred: list[str] | None = None) -> AsyncIterator[Host]:
+    return open_host(  # type: ignore[return-value]
+        identity_seed=bytes([seed]) * 32,
+        listen_addrs=LISTEN,
+        announce_addrs=[],
+        relay=policy,
+        preferred_peers=preferred,
+    )
+
+
+async def wait_for(nat_part: nat.Nat, condition: object, timeout_s: float = 20.0) -> None:
+    """Until ``condition()`` holds, woken by the NAT part's change events (bounded)."""
+    assert callable(condition)
+    with trio.fail_after(timeout_s):
+        while not condition():
+            await nat_part.changed.wait()
+
+
+@asynccontextmanager
+async def relay_and_two_private() -> AsyncIterator[tuple[Host, Host, Host]]:
+    """A relay, and two hosts that hold a slot on it (reachable only through it, as far as
+    the policy knows)."""
+    async with host(1, RELAY) as relay, host(2, BEHIND_NAT) as a, host(3, BEHIND_NAT) as b:
+        for private in (a, b):
+            private.nat.prefer([relay.peer_id])
+            await private.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+            await wait_for(private.nat, lambda p=private: relay.peer_id in p.nat.status.reservations)
+        yield relay, a, b
+
+
+def circuit_only(target: Host) -> PeerAddrs:
+    return PeerAddrs(target.peer_id, tuple(a for a in target.addrs() if nat.is_circuit(a)))
+
+
+async def test_a_private_node_reserves_a_slot_and_announces_it() -> None:
+    async with relay_and_two_private() as (relay, a, _):
+        (circuit,) = [addr for addr in a.addrs() if nat.is_circuit(addr)]
+        assert circuit.endswith(f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{a.peer_id}")
+        assert a.nat.summary()["reservations"] == {relay.peer_id: circuit.rsplit("/p2p/", 1)[0]}
+        assert relay.nat.summary()["offering_relay"] and not a.nat.summary()["offering_relay"]
+
+
+async def test_peers_reach_a_private_node_through_the_relay_for_control_traffic() -> None:
+    async with relay_and_two_private() as (relay, a, b):
+        serve_info(b, NodeInfo(b.peer_id, "trainer", ("run-abcdef",), "test"))
+        await a.connect(circuit_only(b), timeout_s=10)
+        assert a.connection_type(b.peer_id) == "relayed"
+        info = await ask_info(a, b.peer_id)  # a round trip through the relay
+        assert info.peer_id == b.peer_id and info.runs == ("run-abcdef",)
+        assert b.connection_type(a.peer_id) == "relayed"
+        assert a.connection_type(relay.peer_id) == "direct"
+        assert a.nat.connection_types() == {relay.peer_id: "direct", b.peer_id: "relayed"}
+
+
+async def test_a_dial_falls_back_to_the_relays_we_hold_slots_on() -> None:
+    """A peer found with only unreachable direct addresses is dialed through our relay."""
+    async with relay_and_two_private() as (_, a, b):
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            dead = f"/ip4/127.0.0.1/tcp/{closed.getsockname()[1]}"
+        await a.connect(PeerAddrs(b.peer_id, (dead,)), timeout_s=10)
+        assert a.connection_type(b.peer_id) == "relayed"
+
+
+def payload() -> Payload:
+    return Payload(1, (TensorSpec("w", "float32", (256,)),), bytes(range(256)) * 4)
+
+
+async def test_tensors_never_cross_a_relay_unless_both_sides_opted_in() -> None:
+    received: list[bytes] = []
+
+    async def accept(peer_id: str, got: Payload) -> None:
+        received.append(bytes(got.data))
+
+    async with relay_and_two_private() as (_, a, b):
+        receiver = TensorReceiver(b, PeerTable(ttl_s=10), accept, max_payload_nbytes=1 << 20, timeout_s=10)
+        receiver.register()
+        await a.connect(circuit_only(b), timeout_s=10)
+        assert a.tensor_refusal(b.peer_id) is not None
+        with pytest.raises(ProtocolError, match="only over direct connections"):
+            await exchange.send_tensors(a, b.peer_id, payload(), timeout_s=10)
+        a.relayed_tensor_limit = RateLimit.from_mbps(100)  # the sender opts in; the receiver has not
+        with pytest.raises(ProtocolError, match="refused the tensors: tensors go only over direct"):
+            await exchange.send_tensors(a, b.peer_id, payload(), timeout_s=10)
+        assert receiver.num_refused == 1 and not received
+        b.relayed_tensor_limit = RateLimit.from_mbps(100)
+        await exchange.send_tensors(a, b.peer_id, payload(), timeout_s=10)
+        assert received == [bytes(payload().data)]
+
+
+async def test_pairing_never_asks_or_accepts_a_relayed_peer() -> None:
+    async with relay_and_two_private() as (_, a, b), trio.open_nursery() as nursery:
+        pairings = [Pairing(h, send_timeout_s=5) for h in (a, b)]
+        for pairing in pairings:
+            await nursery.start(pairing.run)
+        await a.connect(circuit_only(b), timeout_s=10)
+        buffers = [memoryview(bytearray(8)) for _ in range(4)]
+
+        async def seek(i: int, peer: Host) -> None:
+            results[i] = await pairings[i].find_partner(
+                0, buffers[2 * i], buffers[2 * i + 1], [peer.peer_id], timeout_s=5
+            )
+
+        results: list[str | None] = ["unset", "unset"]
+        async with trio.open_nursery() as both:
+            both.start_soon(seek, 0, b)
+            both.start_soon(seek, 1, a)
+        assert results == [None, None]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_offers_slots_only_while_it_is_public() -> None:
+    unsure = nat.RelayPolicy(mode="auto", reachability="private", hole_punch=False)
+    async with host(4, unsure) as relay, host(5, BEHIND_NAT) as a:
+        await a.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+        assert not await a.nat.reserve(relay.peer_id)
+        assert a.nat.status.reservations == {}
+
+
+async def test_dial_back_finds_a_loopback_node_public() -> None:
+    auto = nat.RelayPolicy(hole_punch=False)
+    async with host(6, auto) as server, host(7, auto) as client:
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        assert await client.nat.check_reachability(client) == "public"
+        assert client.nat.status.observed_ip == "127.0.0.1"
+
+
+async def ask(client: Host, server: Host, fields: dict[str, object]) -> dict[str, object]:
+    stream = await client.open_stream(server.peer_id, nat.AUTONAT_PROTOCOL_ID, timeout_s=5)
+    with trio.fail_after(15):
+        await wire.send(stream, "dialback?", nat.VERSION, fields)
+        return await wire.receive(stream, msg_types=frozenset({"dialback"}), version=nat.VERSION, max_nbytes=1024)
+
+
+async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_requests() -> None:
+    policy = nat.RelayPolicy(reachability="public", hole_punch=False)
+    async with host(8, policy) as server, host(9, policy) as client:
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        reply = await ask(client, server, {"ports": [port]})
+        assert reply["ok"] == [] and reply["ip"] == "127.0.0.1"
+        again = await ask(client, server, {"ports": [port]})
+        assert again["refused"] == "asked too often"
+        for bad in ({"ports": list(range(1, 10))}, {"ports": ["x"]}, {"ports": 4001}, {}):
+            with pytest.raises(ProtocolError):  # the server resets the stream: no answer
+                await ask(client, server, bad)
