@@ -1,8 +1,8 @@
 """The one façade over py-libp2p: a host with TCP + Noise + Yamux, a Kademlia DHT and GossipSub.
 
-Nothing outside this module imports libp2p. Peers are named by their base58 peer-id
-strings and addresses are multiaddr strings; libp2p's exceptions are mapped to
-``protocol.errors`` here.
+Nothing outside this module and protocol/nat.py (relay, hole punching) imports libp2p.
+Peers are named by their base58 peer-id strings and addresses are multiaddr strings;
+libp2p's exceptions are mapped to ``protocol.errors`` here.
 
 Choices, each measured or learned in ../shared/probes:
 - Noise only, Yamux only: libp2p's defaults also offer plaintext and secio.

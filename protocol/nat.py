@@ -78,7 +78,10 @@ RECHECK_INTERVAL_S = 600.0
 # How often the loops look at connections and addresses (cheap: dict scans).
 POLL_S = 1.0
 WANTED_RELAYS = 2
+# A peer that refused a slot (most peers are not relays) is asked again after 30 s, then
+# doubling up to 30 min: its reachability may change, but asking often only costs both.
 RESERVE_RETRY_S = 30.0
+RESERVE_RETRY_MAX_S = 1800.0
 # Before falling back to a relay, how long a direct dial of a peer that has relay
 # addresses may take (a NAT drops our SYNs silently: only a timeout tells).
 DIRECT_FIRST_TIMEOUT_S = 3.0
@@ -166,7 +169,8 @@ class Nat:
         """Set (and replaced) whenever reachability, our relay slots or a connection's type change."""
         self._preferred: list[str] = []
         self._dialback_last: dict[str, float] = {}
-        self._reserve_failed: dict[str, float] = {}
+        self._reserve_failed: dict[str, tuple[float, float]] = {}
+        """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
@@ -421,11 +425,14 @@ class Nat:
 
     def _relay_candidates(self) -> list[str]:
         now = trio.current_time()
+        if len(self._reserve_failed) > 4096:  # bounded: strangers come and go
+            self._reserve_failed.clear()
         candidates = []
         for peer_id, kind in self.connection_types().items():
             if kind != "direct" or peer_id in self.status.reservations:
                 continue
-            if now - self._reserve_failed.get(peer_id, -RESERVE_RETRY_S) < RESERVE_RETRY_S:
+            refused_at, wait_s = self._reserve_failed.get(peer_id, (0.0, 0.0))
+            if wait_s and now - refused_at < wait_s:
                 continue
             try:
                 protocols = self._raw.get_peerstore().get_protocols(_peer(peer_id))
@@ -455,8 +462,10 @@ class Nat:
         except (BaseLibp2pError, OSError, DialError, trio.TooSlowError) as exc:
             logger.debug("reservation on %s: %s", relay, exc)
         if not ok:
-            self._reserve_failed[relay] = trio.current_time()
+            previous = self._reserve_failed.get(relay, (0.0, RESERVE_RETRY_S / 2))[1]
+            self._reserve_failed[relay] = (trio.current_time(), min(2 * previous, RESERVE_RETRY_MAX_S))
             return False
+        self._reserve_failed.pop(relay, None)
         self.status.reservations[relay] = Reservation(relay, relay_addr, trio.current_time() - self._started_at)
         logger.info("reserved a relay slot on %s (%s)", relay, relay_addr)
         self._notify()

@@ -35,6 +35,11 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ("overrides", "field"),
     [
         ({"network.upload_limit_mbps": -1.0}, "network.upload_limit_mbps"),
+        ({"network.relayed_tensors_mbps": float("nan")}, "network.relayed_tensors_mbps"),
+        ({"network.relay": "sometimes"}, "network.relay"),
+        ({"network.reachability": "maybe"}, "network.reachability"),
+        ({"network.relay_max_reservations": 0}, "network.relay_max_reservations"),
+        ({"network.relay_circuit_data_mib": 0}, "network.relay_circuit_data_mib"),
         ({"training.compression": "zip"}, "training.compression"),
         ({"network.dial_timeout_s": -1}, "network.dial_timeout_s"),
         ({"network.listen": "/ip4/1.2.3.4/tcp/1"}, "network.listen"),
@@ -110,6 +115,13 @@ def test_the_shipped_example_config_is_valid() -> None:
     cfg = config.load(Path(__file__).parent.parent / "deploy" / "node.example.toml")
     assert cfg.network.listen == ["/ip4/0.0.0.0/tcp/7400"]
     assert cfg.state == config.StateConfig()  # the example documents the defaults
+    assert cfg.network == config.NetworkConfig(listen=cfg.network.listen)
+
+
+def test_nat_modes_match_the_protocol() -> None:
+    from protocol import nat
+
+    assert config.RELAY_MODES == nat.RELAY_MODES and config.REACHABILITY_MODES == nat.FORCED_REACHABILITY
 
 
 def test_the_daemon_never_imports_torch() -> None:
