@@ -33,6 +33,7 @@ Nothing here carries tensors: the policy (tensors only over direct connections) 
 callers' (``Host.connection_type``, protocol/pairing.py).
 """
 
+import ipaddress
 import logging
 import random
 import socket
@@ -343,10 +344,20 @@ class Nat:
             return None
         ok = reply.get("ok")
         ip = reply.get("ip")
-        if not isinstance(ok, list) or not isinstance(ip, str) or len(ip) > 64:
+        if (
+            not isinstance(ok, list)
+            or len(ok) > MAX_PORTS
+            or not all(isinstance(port, int) for port in ok)
+            or not isinstance(ip, str)
+        ):
             logger.info("dial-back answer from %s is malformed", server)
             return None
-        return bool(set(ok) & set(ports)), ip or None
+        try:
+            seen_as = str(ipaddress.IPv4Address(ip)) if ip else None
+        except ValueError:
+            logger.info("dial-back answer from %s names no IPv4 address", server)
+            return None
+        return any(port in ports for port in ok), seen_as
 
     def _servers(self, host: "Host") -> list[str]:
         direct = [p for p, kind in self.connection_types().items() if kind == "direct"]
@@ -384,18 +395,17 @@ class Nat:
         return reachability
 
     async def _reachability_loop(self, host: "Host") -> None:
-        ports: list[int] = []
+        """Checks at start, while unknown, when our addresses change, and every 10 min."""
+        addrs: list[str] = []
         last_check = -RECHECK_INTERVAL_S
         while True:
             now = trio.current_time()
-            current_ports = self._listen_ports()
-            due = (
-                current_ports != ports
-                or self.status.reachability == "unknown"
-                or now - last_check >= RECHECK_INTERVAL_S
-            )
+            current = [a for a in host.addrs() if not is_circuit(a)]  # listen ports and interface IPs
+            due = current != addrs or self.status.reachability == "unknown" or now - last_check >= RECHECK_INTERVAL_S
             if due and self._servers(host):
-                ports = current_ports
+                if addrs and current != addrs:
+                    logger.info("our addresses changed: checking reachability again")
+                addrs = current
                 last_check = now
                 await self.check_reachability(host)
                 if self.status.reachability == "unknown":

@@ -15,7 +15,7 @@ import trio
 from protocol import exchange, nat, wire
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorReceiver, TensorSpec
-from protocol.host import Host, PeerAddrs, open_host, parse_dial_addr
+from protocol.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
 from protocol.info import NodeInfo, ask_info, serve_info
 from protocol.pairing import Pairing
 from protocol.peers import PeerTable
@@ -174,3 +174,22 @@ async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_reques
         for bad in ({"ports": list(range(1, 10))}, {"ports": ["x"]}, {"ports": 4001}, {}):
             with pytest.raises(ProtocolError):  # the server resets the stream: no answer
                 await ask(client, server, bad)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{"ok": [[1]], "ip": "127.0.0.1"}, {"ok": [], "ip": "not an ip"}, {"ok": "all", "ip": ""}, {"ok": list(range(9))}],
+)
+async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[str, object]) -> None:
+    async def liar(stream: Stream) -> None:
+        await wire.receive(stream, msg_types=frozenset({"dialback?"}), version=nat.VERSION, max_nbytes=1024)
+        await wire.send(stream, "dialback", nat.VERSION, answer)
+
+    async with (
+        host(10, nat.RelayPolicy(reachability="public", hole_punch=False)) as server,
+        host(11, nat.RelayPolicy(hole_punch=False)) as client,
+    ):
+        server.set_handler(nat.AUTONAT_PROTOCOL_ID, liar)
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        assert await client.nat.check_reachability(client) == "unknown"
+        assert client.nat.status.observed_ip is None
