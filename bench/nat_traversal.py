@@ -31,10 +31,11 @@ def simulate(topology: str, num_nodes: int, symmetric: int, workdir: Path, index
     argv += ["--algorithm", "none", "--report", str(report_path), "--timeout-s", "300"]
     if symmetric:
         argv += ["--symmetric-nats", str(symmetric)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-    if result.returncode != 0 or not report_path.exists():
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    if not report_path.exists():  # a run that did not settle still reports; one without a report failed
         raise SystemExit(f"simulate --topology {topology} failed ({result.returncode}):\n{result.stdout[-3000:]}")
     report: dict[str, Any] = json.loads(report_path.read_text())
+    report["exit_code"] = result.returncode
     return report
 
 
@@ -65,6 +66,7 @@ def main() -> None:
                     "converged_s": nat_converged,
                     "loopback_converged_s": loop_converged,
                     "wall_s": nat["wall_s"],
+                    "stop_reason": nat["stop_reason"],
                 }
             )
     fractions = [r["direct_pair_fraction"] for r in runs]

@@ -46,6 +46,7 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
+    parser.add_argument("--upnp", action="store_true", default=None, help="ask the router to forward our port")
     parser.add_argument("--relay", choices=config_module.RELAY_MODES, help="offer relay to peers behind NAT")
     parser.add_argument(
         "--reachability", choices=config_module.REACHABILITY_MODES, help="skip the dial-back check: public or private"
@@ -76,6 +77,7 @@ _FLAG_TO_FIELD = {
     "mdns": "network.mdns",
     "upload_limit_mbps": "network.upload_limit_mbps",
     "relay": "network.relay",
+    "upnp": "network.upnp",
     "reachability": "network.reachability",
     "relayed_tensors_mbps": "network.relayed_tensors_mbps",
     "new_run": "run.new_run",

@@ -61,6 +61,8 @@ class NetworkConfig:
     """A relayed connection through us is closed after this long (the peers may reconnect)."""
     relay_circuit_data_mib: int = 64
     """Bytes a relayed connection through us may carry, both directions together."""
+    upnp: bool = False
+    """Ask the home router to forward our listen port (UPnP IGD); changes the router, so off by default."""
     reachability: str = "auto"
     """auto: peers dial us back to tell; public or private: skip the check (you know better)."""
     relayed_tensors_mbps: float = 0.0

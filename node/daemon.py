@@ -24,7 +24,7 @@ from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
 from protocol.info import NodeInfo, ask_info, serve_info
-from protocol.nat import RelayPolicy
+from protocol.nat import NatPolicy
 from protocol.peers import PeerTable
 from protocol.run import RunService
 from protocol.state import Manifest, MemberRecord, RunState
@@ -76,13 +76,14 @@ class Daemon:
         if not self.peer_id:
             self.prepare()
         net = self.config.network
-        relay = RelayPolicy(
+        relay = NatPolicy(
             mode=net.relay,
             max_reservations=net.relay_max_reservations,
             max_circuits=net.relay_max_circuits,
             circuit_duration_s=net.relay_circuit_duration_s,
             circuit_data_mib=net.relay_circuit_data_mib,
             reachability=net.reachability,
+            upnp=net.upnp,
         )
         try:
             async with open_host(
@@ -335,12 +336,23 @@ def network_line(nat: dict[str, Any], connections: dict[str, str], listen: list[
     seen = f" (seen as {nat['observed_ip']})" if nat["observed_ip"] else ""
     if nat["reachability"] == "public":
         offer = "; offering relay to peers behind NAT" if nat["offering_relay"] else ""
-        return f"network: public address{seen}, peers can dial us{offer}; {peers}"
+        return f"network: public address{seen}, peers can dial us{offer}; {peers}{_upnp_note(nat)}"
     if nat["reachability"] == "private":
         relays = ", ".join(short_peer(r) for r in sorted(nat["reservations"]))
         if relays:
             reserved = f"reserved relay {relays}: peers reach us through it, then hole-punch"
         else:
             reserved = "no relay slot yet (no reachable peer offers relay): only peers we dial reach us"
-        return f"network: no public address{seen}; {reserved}; {peers}; forward TCP port {port} to be dialable"
+        return (
+            f"network: no public address{seen}; {reserved}; {peers}; forward TCP port {port} to be dialable"
+            f"{_upnp_note(nat)}"
+        )
     return f"network: reachability unknown (no peer has answered a dial-back yet); {peers}"
+
+
+def _upnp_note(nat: dict[str, Any]) -> str:
+    if nat["upnp"] == "mapped":
+        return f"; UPnP: the router forwards {nat['upnp_addr']}"
+    if nat["upnp"].startswith("failed"):
+        return f"; UPnP {nat['upnp']}"
+    return ""

@@ -56,8 +56,8 @@ API_WAIT_S = 60.0
 TOPOLOGIES = ("loopback", "nat")
 NAT_PORT = 4001
 # Behind NATs, a pair still relayed this long after every pair connected stays relayed
-# (DCUtR tries three times, seconds apart).
-NAT_SETTLE_S = 45.0
+# (DCUtR tries three times, seconds apart; protocol/nat.py again after 20 s and 60 s).
+NAT_SETTLE_S = 75.0
 
 
 @dataclass(kw_only=True, slots=True)

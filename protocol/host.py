@@ -48,7 +48,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import DialError, ProtocolError, StreamError
-from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, RelayPolicy, is_circuit, remote_ipv4, socket_stream_of
+from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit, remote_ipv4, socket_stream_of
 from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,29 @@ def ensure_port_free(addr: str) -> None:
             raise DialError(f"cannot listen on {addr}: {exc.strerror}") from exc
 
 
+def _announce_for(listen_addrs: list[str]) -> list[str]:
+    """What to tell peers when listening on 0.0.0.0: this machine's addresses, not loopback.
+
+    libp2p would announce ``/ip4/0.0.0.0/...`` (identify) and we would add 127.0.0.1: a peer
+    dialing either reaches *itself*, fails the handshake (the peer id differs), and libp2p
+    then forgets every address of the peer it meant and blocks it for a minute, which is
+    what hole punching needs least. Empty (libp2p's default) if a port is not fixed yet.
+    """
+    if not any(a.startswith("/ip4/0.0.0.0/") for a in listen_addrs) or any(
+        a.split("/")[4:5] == ["0"] for a in listen_addrs
+    ):
+        return []
+    result: list[str] = []
+    for addr in listen_addrs:
+        if not addr.startswith("/ip4/0.0.0.0/"):
+            result.append(addr)
+            continue
+        rest = addr.removeprefix("/ip4/0.0.0.0/")
+        ips = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")] or ["127.0.0.1"]
+        result.extend(f"/ip4/{ip}/{rest}" for ip in ips)
+    return result
+
+
 def _local_ipv4_addrs() -> list[str]:
     ips = {str(ip.ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips if ip.is_IPv4}
     return sorted(ips, key=lambda ip: (ip.startswith("127."), ip))
@@ -199,7 +222,7 @@ class Host:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
 
         A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses; behind
-        a NAT, our relay circuit addresses come last.
+        a NAT, the port the router forwards (UPnP) and our relay circuit addresses come last.
         """
         result: list[str] = []
         for addr in (str(a) for a in self._host.get_addrs()):
@@ -208,7 +231,7 @@ class Host:
                 result.extend(f"/ip4/{ip}/{rest}" for ip in _local_ipv4_addrs())
             else:
                 result.append(addr)
-        result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.our_circuit_addrs())
+        result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.extra_addrs())
         return result
 
     def connection_type(self, peer_id: str) -> str | None:
@@ -269,7 +292,11 @@ class Host:
         deadline = trio.current_time() + timeout_s
         direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
         error = f"dial {peer.peer_id} timed out after {direct_s:g} s"
-        connected = bool(self._host.get_network().connections.get(info.peer_id))
+        network = self._host.get_network()
+        connected = bool(network.connections.get(info.peer_id))
+        # libp2p blocks a peer whose addresses all failed for a minute; our callers retry on
+        # their own schedules (and behind a NAT a failed direct dial is expected, not a verdict).
+        network.unblock_peer(info.peer_id)
         if addrs or connected:
             with trio.move_on_after(direct_s):
                 try:
@@ -277,6 +304,8 @@ class Host:
                     connected = True
                 except (BaseLibp2pError, OSError) as exc:
                     error = f"dial {peer.peer_id} failed: {exc}"
+            if not connected:
+                network.unblock_peer(info.peer_id)  # hole punches to it must not be blocked
         for circuit in circuits if not connected else []:
             with trio.move_on_at(deadline) as scope:
                 try:
@@ -457,7 +486,7 @@ async def open_host(
     announce_addrs: list[str],
     mdns: bool = False,
     gossip_degree: int = 8,
-    relay: RelayPolicy | None = None,
+    relay: NatPolicy | None = None,
     preferred_peers: list[str] | None = None,
     relayed_tensors_mbps: float = 0.0,
 ) -> AsyncIterator[Host]:
@@ -472,7 +501,7 @@ async def open_host(
     key_pair = key_pair_from_seed(identity_seed)
     try:
         listen = [multiaddr.Multiaddr(a) for a in listen_addrs]
-        announce = [multiaddr.Multiaddr(a) for a in announce_addrs] or None
+        announce = [multiaddr.Multiaddr(a) for a in announce_addrs or _announce_for(listen_addrs)] or None
     except _ADDR_ERRORS as exc:
         raise ValueError(f"bad listen or announce address: {exc}") from exc
     raw_host = new_host(
@@ -499,7 +528,7 @@ async def open_host(
     dht = KadDHT(raw_host, DHTMode.SERVER, protocol_prefix=TProtocol(DHT_PROTOCOL_PREFIX))
     # Its relay and hole-punch handlers exist before any connection (identify tells peers
     # our protocols once, when we connect).
-    nat = Nat(raw_host, relay or RelayPolicy())
+    nat = Nat(raw_host, relay or NatPolicy())
     nat.prefer(preferred_peers or [])
     host = Host(_RawParts(raw_host, dht, pubsub, nat))
     if relayed_tensors_mbps > 0:

@@ -16,7 +16,7 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
   ``connect``). A fresh TCP connection is the honest test.
 
 - **Relay service**: a public node offers circuit relay v2 (libp2p's ``CircuitV2Protocol``)
-  with bounded reservations, circuits, bytes and seconds per circuit (``RelayPolicy``).
+  with bounded reservations, circuits, bytes and seconds per circuit (``NatPolicy``).
   The HOP handler is registered at start (identify tells peers our protocols once, when
   we connect) and refuses while we are not public (``relay = "auto"``).
 
@@ -56,6 +56,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from protocol import upnp as igd
 from protocol import wire
 from protocol.errors import BadMessage, DialError, ProtocolError
 
@@ -87,6 +88,12 @@ RESERVE_RETRY_MAX_S = 1800.0
 # addresses may take (a NAT drops our SYNs silently: only a timeout tells).
 DIRECT_FIRST_TIMEOUT_S = 3.0
 DCUTR_DIAL_TIMEOUT_S = 5
+# Extra hole-punch rounds for a pair still relayed: after 20 s, then 40, 80, 160, 320 s.
+PUNCH_RETRY_S = 20.0
+PUNCH_RETRIES = 5
+UPNP_LEASE_S = 3600
+UPNP_RETRY_S = 600.0
+UPNP_UNMAP_TIMEOUT_S = 2.0
 
 REACHABILITY = ("unknown", "public", "private")
 FORCED_REACHABILITY = ("auto", "public", "private")
@@ -94,8 +101,9 @@ RELAY_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
-class RelayPolicy:
-    """What a node offering relay allows; every limit bounds what strangers cost us."""
+class NatPolicy:
+    """How a node deals with NATs: reachability, relay service limits (every limit bounds
+    what strangers cost us), hole punching, UPnP."""
 
     mode: str = "auto"
     """auto: offer while AutoNAT says we are public; on: always; off: never."""
@@ -108,6 +116,10 @@ class RelayPolicy:
     """auto: found by dial-backs; public or private: as told (the node knows better)."""
     hole_punch: bool = True
     """Upgrade relayed connections with DCUtR (off: they stay relayed)."""
+    upnp: bool = False
+    """Ask the router to forward our listen port (UPnP IGD, protocol/upnp.py)."""
+    ssdp_addr: tuple[str, int] = igd.SSDP_ADDR
+    """Where UPnP discovery asks (the multicast group; tests point it at a fake gateway)."""
 
     def libp2p_limits(self) -> RelayLimits:
         return RelayLimits(
@@ -137,6 +149,10 @@ class NatStatus:
     checks: int = 0
     offering_relay: bool = False
     reservations: dict[str, Reservation] = field(default_factory=dict)
+    upnp: str = "off"
+    """off, mapping, mapped, or failed: <why>."""
+    upnp_addr: str | None = None
+    """The router's public address and port forwarded to us, while mapped."""
     first_direct_s: float | None = None
     """Seconds from start to the first direct connection to a peer we had reached only by relay."""
 
@@ -159,7 +175,7 @@ class Nat:
     in the first identify our peers see); ``Host.nat`` is this.
     """
 
-    def __init__(self, raw_host: IHost, policy: RelayPolicy) -> None:
+    def __init__(self, raw_host: IHost, policy: NatPolicy) -> None:
         self._raw = raw_host
         self.policy = policy
         self.status = NatStatus()
@@ -173,6 +189,8 @@ class Nat:
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
+        self._punch_retries: dict[str, tuple[int, float]] = {}
+        """Relayed peer → (our extra hole-punch tries so far, when the last began)."""
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
         limits = policy.libp2p_limits()
@@ -202,6 +220,8 @@ class Nat:
                 nursery.start_soon(self._reachability_loop, host)
             nursery.start_soon(self._reservation_loop, host)
             nursery.start_soon(self._watch_connections, host)
+            if self.policy.upnp:
+                nursery.start_soon(self._upnp_loop)
             task_status.started()
             await trio.sleep_forever()
 
@@ -238,10 +258,33 @@ class Nat:
             for peer_id, kind in types.items():
                 if kind == "relayed":
                     self._relayed_once.add(peer_id)
+                    self._maybe_punch_again(peer_id)
                 elif peer_id in self._relayed_once and self.status.first_direct_s is None:
                     self.status.first_direct_s = round(trio.current_time() - self._started_at, 3)
                     logger.info("hole punch: direct connection to %s", peer_id)
             await trio.sleep(POLL_S)
+
+    def _maybe_punch_again(self, peer_id: str) -> None:
+        """DCUtR tries three times per connection, seconds apart; on a busy machine or a
+        flaky path all three can fail. We try again, backing off, a bounded number of times."""
+        if not self.policy.hole_punch or self._nursery is None:
+            return
+        now = trio.current_time()
+        if len(self._punch_retries) > 4096:  # bounded: strangers come and go
+            self._punch_retries.clear()
+        tries, last = self._punch_retries.setdefault(peer_id, (0, now))
+        if tries >= PUNCH_RETRIES or now - last < PUNCH_RETRY_S * 2**tries:
+            return
+        self._punch_retries[peer_id] = (tries + 1, now)
+        logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries + 1, PUNCH_RETRIES)
+        self._dcutr.on_peer_disconnected(_peer(peer_id))  # resets its attempt budget for this peer
+        self._nursery.start_soon(self._punch, peer_id)
+
+    async def _punch(self, peer_id: str) -> None:
+        try:
+            await self._dcutr.initiate_hole_punch(_peer(peer_id))
+        except (BaseLibp2pError, OSError, DialError) as exc:
+            logger.debug("hole punch to %s: %s", peer_id, exc)
 
     # --- dialing through relays ---
 
@@ -259,6 +302,47 @@ class Nat:
 
     def our_circuit_addrs(self) -> list[str]:
         return [r.circuit_addr for r in self.status.reservations.values()]
+
+    def extra_addrs(self) -> list[str]:
+        """Addresses we learned we have: the UPnP-forwarded one, then our relay circuits."""
+        return ([self.status.upnp_addr] if self.status.upnp_addr else []) + self.our_circuit_addrs()
+
+    # --- UPnP ---
+
+    async def _upnp_loop(self) -> None:
+        ports = self._listen_ports()
+        if not ports:
+            return
+        port = ports[0]
+        while True:
+            self.status.upnp = "mapping"
+            try:
+                gateway = await igd.discover(self.policy.ssdp_addr)
+                await igd.add_mapping(gateway, port, lease_s=UPNP_LEASE_S)
+                ip = await igd.external_ip(gateway)
+            except igd.UpnpError as exc:
+                self.status.upnp = f"failed: {exc}"
+                self._notify()
+                logger.warning("UPnP: %s; retrying in %.0f min", exc, UPNP_RETRY_S / 60)
+                await trio.sleep(UPNP_RETRY_S)
+                continue
+            self.status.upnp, self.status.upnp_addr = "mapped", f"/ip4/{ip}/tcp/{port}"
+            logger.info("UPnP: the router forwards %s to us", self.status.upnp_addr)
+            self._notify()
+            try:
+                while True:
+                    await trio.sleep(UPNP_LEASE_S / 2)
+                    await igd.add_mapping(gateway, port, lease_s=UPNP_LEASE_S)
+            except igd.UpnpError as exc:
+                logger.warning("UPnP: renewing the mapping failed: %s", exc)
+            finally:
+                self.status.upnp_addr = None
+                self._notify()
+                with trio.CancelScope(shield=True), trio.move_on_after(UPNP_UNMAP_TIMEOUT_S):
+                    try:
+                        await igd.delete_mapping(gateway, port)
+                    except igd.UpnpError as exc:
+                        logger.info("UPnP: removing the mapping: %s (it expires by itself)", exc)
 
     # --- relay service ---
 
@@ -499,6 +583,8 @@ class Nat:
             "offering_relay": s.offering_relay,
             "relay_mode": self.policy.mode,
             "reservations": {r.relay: r.circuit_addr for r in s.reservations.values()},
+            "upnp": s.upnp,
+            "upnp_addr": s.upnp_addr,
             "first_direct_s": s.first_direct_s,
         }
 

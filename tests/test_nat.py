@@ -1,7 +1,7 @@
 """NAT traversal on loopback: relay slots, relayed connections, the direct-only tensor policy, dial-backs.
 
 Real hosts on 127.0.0.1. Nothing is behind a NAT here, so reachability is told
-(``RelayPolicy.reachability``) and hole punching is off (on loopback it would upgrade every
+(``NatPolicy.reachability``) and hole punching is off (on loopback it would upgrade every
 relayed connection at once); the real thing, across real NATs, is in test_netbed_nat.py.
 """
 
@@ -22,11 +22,11 @@ from protocol.peers import PeerTable
 from protocol.ratelimit import RateLimit
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
-RELAY = nat.RelayPolicy(mode="on", reachability="public", hole_punch=False)
-BEHIND_NAT = nat.RelayPolicy(mode="off", reachability="private", hole_punch=False)
+RELAY = nat.NatPolicy(mode="on", reachability="public", hole_punch=False)
+BEHIND_NAT = nat.NatPolicy(mode="off", reachability="private", hole_punch=False)
 
 
-def host(seed: int, policy: nat.RelayPolicy, preferred: list[str] | None = None) -> AsyncIterator[Host]:
+def host(seed: int, policy: nat.NatPolicy, preferred: list[str] | None = None) -> AsyncIterator[Host]:
     return open_host(  # type: ignore[return-value]
         identity_seed=bytes([seed]) * 32,
         listen_addrs=LISTEN,
@@ -138,7 +138,7 @@ async def test_pairing_never_asks_or_accepts_a_relayed_peer() -> None:
 
 
 async def test_a_relay_offers_slots_only_while_it_is_public() -> None:
-    unsure = nat.RelayPolicy(mode="auto", reachability="private", hole_punch=False)
+    unsure = nat.NatPolicy(mode="auto", reachability="private", hole_punch=False)
     async with host(4, unsure) as relay, host(5, BEHIND_NAT) as a:
         await a.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
         assert not await a.nat.reserve(relay.peer_id)
@@ -146,7 +146,7 @@ async def test_a_relay_offers_slots_only_while_it_is_public() -> None:
 
 
 async def test_dial_back_finds_a_loopback_node_public() -> None:
-    auto = nat.RelayPolicy(hole_punch=False)
+    auto = nat.NatPolicy(hole_punch=False)
     async with host(6, auto) as server, host(7, auto) as client:
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         assert await client.nat.check_reachability(client) == "public"
@@ -161,7 +161,7 @@ async def ask(client: Host, server: Host, fields: dict[str, object]) -> dict[str
 
 
 async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_requests() -> None:
-    policy = nat.RelayPolicy(reachability="public", hole_punch=False)
+    policy = nat.NatPolicy(reachability="public", hole_punch=False)
     async with host(8, policy) as server, host(9, policy) as client:
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         with socket.socket() as closed:
@@ -186,10 +186,20 @@ async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[s
         await wire.send(stream, "dialback", nat.VERSION, answer)
 
     async with (
-        host(10, nat.RelayPolicy(reachability="public", hole_punch=False)) as server,
-        host(11, nat.RelayPolicy(hole_punch=False)) as client,
+        host(10, nat.NatPolicy(reachability="public", hole_punch=False)) as server,
+        host(11, nat.NatPolicy(hole_punch=False)) as client,
     ):
         server.set_handler(nat.AUTONAT_PROTOCOL_ID, liar)
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         assert await client.nat.check_reachability(client) == "unknown"
         assert client.nat.status.observed_ip is None
+
+
+def test_a_wildcard_listener_is_announced_on_this_machines_addresses_never_loopback_or_0000() -> None:
+    from protocol.host import _announce_for, _local_ipv4_addrs
+
+    announced = _announce_for(["/ip4/0.0.0.0/tcp/7400"])
+    others = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")]
+    assert announced == [f"/ip4/{ip}/tcp/7400" for ip in others or ["127.0.0.1"]]
+    assert _announce_for(["/ip4/0.0.0.0/tcp/0"]) == []  # the port is known only once bound
+    assert _announce_for(["/ip4/127.0.0.1/tcp/7400"]) == []  # a specific address: libp2p's own
