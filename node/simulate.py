@@ -162,10 +162,15 @@ async def _open_placement(options: SimulationOptions) -> _Placement:
     symmetric = frozenset(range(options.num_nodes - options.symmetric_nats, options.num_nodes))
     bed = Netbed(num_nats=options.num_nodes, symmetric=symmetric)
     try:
-        await trio.to_thread.run_sync(bed.open)
+        with trio.CancelScope(shield=True):  # once built, the caller's finally deletes it
+            await trio.to_thread.run_sync(bed.open)
     except NetbedUnavailable as exc:
         raise NodeError(f"--topology nat needs network namespaces: {exc}") from exc
-    print(f"NAT test bed: bootstrap at {bed.public_ip}, {options.num_nodes} hosts behind separate NATs", flush=True)
+    print(
+        f"NAT test bed (namespaces {bed.prefix}*): bootstrap at {bed.public_ip}, "
+        f"{options.num_nodes} hosts behind separate NATs",
+        flush=True,
+    )
     return _Placement(bed)
 
 
@@ -430,11 +435,42 @@ def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
     return {key: training.get(key) for key in keys}
 
 
+def _only_interrupts(exc: BaseException) -> bool:
+    """Ctrl-C: a KeyboardInterrupt, alone or inside trio's exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[1] is None
+    return isinstance(exc, KeyboardInterrupt)
+
+
+async def _run_until_terminated(options: SimulationOptions, base: Path) -> dict[str, Any] | None:
+    """``_run``, stopped cleanly by SIGTERM too (nodes stopped, NAT namespaces deleted); None then."""
+    report: dict[str, Any] | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            nonlocal report
+            report = await _run(options, base)
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    print("\nterminated; stopping all nodes", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        nursery.start_soon(run)
+    return report
+
+
 def simulate(options: SimulationOptions) -> int:
     base = Path(tempfile.mkdtemp(prefix="swarmtrain-sim-", dir="/tmp"))  # short: unix socket paths
     try:
-        report = trio.run(_run, options, base)
-    except KeyboardInterrupt:
+        report = trio.run(_run_until_terminated, options, base)
+    except BaseException as exc:
+        if not _only_interrupts(exc):
+            raise
         print("\ninterrupted; all nodes stopped", file=sys.stderr)
         return 130
     finally:
@@ -442,6 +478,8 @@ def simulate(options: SimulationOptions) -> int:
             print(f"node data dirs and logs kept in {base}")
         else:
             shutil.rmtree(base, ignore_errors=True)
+    if report is None:
+        return 128 + signal.SIGTERM
     text = json.dumps(report, indent=2)
     if options.report_path is not None:
         options.report_path.write_text(text + "\n")

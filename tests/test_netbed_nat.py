@@ -7,6 +7,8 @@ Skips with the reason where namespaces are not allowed (not root, no iproute2/nf
 """
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +126,24 @@ async def test_a_node_that_cannot_punch_stays_relayed_and_still_gets_the_run(sho
     assert report["pairs"] == {"direct": 1, "relayed": 2, "unconnected": 0}
     assert n0["first_direct_s"] is not None and n2["first_direct_s"] is None
     assert "behind NATs: 1 pairs direct, 2 relayed" in output
+
+
+async def test_a_terminated_nat_simulation_stops_its_nodes_and_deletes_its_namespaces() -> None:
+    argv = [*SWARMTRAIN, "simulate", "--topology", "nat", "--nodes", "2", "--algorithm", "none", "--linger-s", "60"]
+    process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    assert process.stdout is not None
+    output = b""
+    with trio.fail_after(60):
+        while b"\nrun " not in output:  # the bed is up and the bootstrap node started the run
+            chunk = await process.stdout.receive_some(4096)
+            assert chunk, output.decode()
+            output += chunk
+    prefix = re.search(rb"namespaces (swt\w+)\*", output)
+    assert prefix is not None, output.decode()
+    process.send_signal(signal.SIGTERM)
+    with trio.fail_after(60):
+        while chunk := await process.stdout.receive_some(4096):
+            output += chunk
+        assert await process.wait() == 128 + signal.SIGTERM, output.decode()
+    listed = await trio.run_process(["ip", "netns", "list"], capture_stdout=True)
+    assert prefix.group(1) not in listed.stdout
