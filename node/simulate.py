@@ -313,9 +313,11 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     converged_at = now
                 if placement.bed is not None and links_settled_at is None and _all_pairs_linked(nodes[1:]):
                     links_settled_at = now
+                pairs_now = _pairs(nodes[1:])
                 linked = placement.bed is None or (
                     links_settled_at is not None
-                    and (_pairs(nodes[1:])["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
+                    and pairs_now["unconnected"] == 0
+                    and (pairs_now["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
                 )
                 trained = options.algorithm == "none" or (
                     late is None

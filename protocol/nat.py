@@ -91,6 +91,9 @@ DCUTR_DIAL_TIMEOUT_S = 5
 # Extra hole-punch rounds for a pair still relayed: after 20 s, then 40, 80, 160, 320 s.
 PUNCH_RETRY_S = 20.0
 PUNCH_RETRIES = 5
+# A relayed peer we lost is dialed through our relays again: at once, then after 10, 20, 40, 80 s.
+REDIAL_S = 5.0
+REDIALS = 5
 UPNP_LEASE_S = 3600
 UPNP_RETRY_S = 600.0
 UPNP_UNMAP_TIMEOUT_S = 2.0
@@ -190,6 +193,8 @@ class Nat:
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
         self._punch_retries: dict[str, tuple[int, float]] = {}
+        self._redials: dict[str, tuple[int, float]] = {}
+        """Lost relayed peer → (redials so far, when the last began)."""
         """Relayed peer → (our extra hole-punch tries so far, when the last began)."""
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
@@ -255,7 +260,10 @@ class Nat:
             if types != last:
                 last = types
                 self._notify()
+            for peer_id in self._relayed_once - types.keys():
+                self._maybe_redial(peer_id)
             for peer_id, kind in types.items():
+                self._redials.pop(peer_id, None)
                 if kind == "relayed":
                     self._relayed_once.add(peer_id)
                     self._maybe_punch_again(peer_id)
@@ -279,6 +287,32 @@ class Nat:
         logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries + 1, PUNCH_RETRIES)
         self._dcutr.on_peer_disconnected(_peer(peer_id))  # resets its attempt budget for this peer
         self._nursery.start_soon(self._punch, peer_id)
+
+    def _maybe_redial(self, peer_id: str) -> None:
+        """A peer we reached only by relay and lost (a failed hole punch can take the relayed
+        connection with it): dial it through our relays again, backing off, a few times."""
+        if self._nursery is None or not self.status.reservations:
+            return
+        now = trio.current_time()
+        if len(self._redials) > 4096:
+            self._redials.clear()
+        tries, last = self._redials.setdefault(peer_id, (0, now - REDIAL_S))
+        if tries >= REDIALS or now - last < REDIAL_S * 2**tries:
+            if tries >= REDIALS:
+                self._relayed_once.discard(peer_id)  # gone for good, as far as we can tell
+            return
+        self._redials[peer_id] = (tries + 1, now)
+        self._nursery.start_soon(self._redial, peer_id)
+
+    async def _redial(self, peer_id: str) -> None:
+        for addr in self.circuit_addrs_for(peer_id, []):
+            with trio.move_on_after(DIRECT_FIRST_TIMEOUT_S * 3):
+                try:
+                    await self.dial_circuit(addr)
+                    logger.info("reconnected to %s through a relay", peer_id)
+                    return
+                except DialError as exc:
+                    logger.debug("redialing %s: %s", peer_id, exc)
 
     async def _punch(self, peer_id: str) -> None:
         try:
