@@ -171,6 +171,39 @@ def _peer(peer_id: str) -> ID:
         raise DialError(f"invalid peer id {peer_id!r}") from exc
 
 
+class Retries:
+    """Per peer, at most ``limit`` tries, ``first_s`` apart, then doubling: 1×, 2×, 4×...
+
+    ``first_at_once``: the first try is due when the peer is first seen; otherwise one
+    interval later. Bounded in peers: strangers come and go.
+    """
+
+    MAX_PEERS = 4096
+
+    def __init__(self, first_s: float, limit: int, *, first_at_once: bool) -> None:
+        self._first_s = first_s
+        self._limit = limit
+        self._first_at_once = first_at_once
+        self._tries: dict[str, tuple[int, float]] = {}
+        """Peer → (tries so far, when the last began)."""
+
+    def take(self, peer_id: str, now: float) -> int | None:
+        """Start a try if one is due: its number (1, 2, ...), else None."""
+        if len(self._tries) > self.MAX_PEERS:
+            self._tries.clear()
+        tries, last = self._tries.setdefault(peer_id, (0, now - self._first_s if self._first_at_once else now))
+        if tries >= self._limit or now - last < self._first_s * 2**tries:
+            return None
+        self._tries[peer_id] = (tries + 1, now)
+        return tries + 1
+
+    def exhausted(self, peer_id: str) -> bool:
+        return self._tries.get(peer_id, (0, 0.0))[0] >= self._limit
+
+    def forget(self, peer_id: str) -> None:
+        self._tries.pop(peer_id, None)
+
+
 class Nat:
     """Reachability, relay service, reservations and hole punching for one host.
 
@@ -192,10 +225,10 @@ class Nat:
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
-        self._punch_retries: dict[str, tuple[int, float]] = {}
-        self._redials: dict[str, tuple[int, float]] = {}
-        """Lost relayed peer → (redials so far, when the last began)."""
-        """Relayed peer → (our extra hole-punch tries so far, when the last began)."""
+        self._punch_retries = Retries(PUNCH_RETRY_S, PUNCH_RETRIES, first_at_once=False)
+        """Our extra hole-punch rounds per relayed peer."""
+        self._redials = Retries(REDIAL_S, REDIALS, first_at_once=True)
+        """Redials per lost relayed peer (forgotten once it is back)."""
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
         limits = policy.libp2p_limits()
@@ -263,7 +296,7 @@ class Nat:
             for peer_id in self._relayed_once - types.keys():
                 self._maybe_redial(peer_id)
             for peer_id, kind in types.items():
-                self._redials.pop(peer_id, None)
+                self._redials.forget(peer_id)
                 if kind == "relayed":
                     self._relayed_once.add(peer_id)
                     self._maybe_punch_again(peer_id)
@@ -277,14 +310,10 @@ class Nat:
         flaky path all three can fail. We try again, backing off, a bounded number of times."""
         if not self.policy.hole_punch or self._nursery is None:
             return
-        now = trio.current_time()
-        if len(self._punch_retries) > 4096:  # bounded: strangers come and go
-            self._punch_retries.clear()
-        tries, last = self._punch_retries.setdefault(peer_id, (0, now))
-        if tries >= PUNCH_RETRIES or now - last < PUNCH_RETRY_S * 2**tries:
+        tries = self._punch_retries.take(peer_id, trio.current_time())
+        if tries is None:
             return
-        self._punch_retries[peer_id] = (tries + 1, now)
-        logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries + 1, PUNCH_RETRIES)
+        logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries, PUNCH_RETRIES)
         self._dcutr.on_peer_disconnected(_peer(peer_id))  # resets its attempt budget for this peer
         self._nursery.start_soon(self._punch, peer_id)
 
@@ -293,16 +322,10 @@ class Nat:
         connection with it): dial it through our relays again, backing off, a few times."""
         if self._nursery is None or not self.status.reservations:
             return
-        now = trio.current_time()
-        if len(self._redials) > 4096:
-            self._redials.clear()
-        tries, last = self._redials.setdefault(peer_id, (0, now - REDIAL_S))
-        if tries >= REDIALS or now - last < REDIAL_S * 2**tries:
-            if tries >= REDIALS:
-                self._relayed_once.discard(peer_id)  # gone for good, as far as we can tell
-            return
-        self._redials[peer_id] = (tries + 1, now)
-        self._nursery.start_soon(self._redial, peer_id)
+        if self._redials.take(peer_id, trio.current_time()) is not None:
+            self._nursery.start_soon(self._redial, peer_id)
+        elif self._redials.exhausted(peer_id):
+            self._relayed_once.discard(peer_id)  # gone for good, as far as we can tell
 
     async def _redial(self, peer_id: str) -> None:
         for addr in self.circuit_addrs_for(peer_id, []):

@@ -203,3 +203,14 @@ def test_a_wildcard_listener_is_announced_on_this_machines_addresses_never_loopb
     assert announced == [f"/ip4/{ip}/tcp/7400" for ip in others or ["127.0.0.1"]]
     assert _announce_for(["/ip4/0.0.0.0/tcp/0"]) == []  # the port is known only once bound
     assert _announce_for(["/ip4/127.0.0.1/tcp/7400"]) == []  # a specific address: libp2p's own
+
+
+def test_retries_double_their_wait_and_stop_at_the_limit() -> None:
+    later = nat.Retries(10.0, 3, first_at_once=False)
+    assert later.take("p", 0.0) is None  # first seen: the first try is one interval away
+    assert [later.take("p", t) for t in (9.9, 10.0, 29.9, 30.0, 69.9, 70.0)] == [None, 1, None, 2, None, 3]
+    assert later.exhausted("p") and later.take("p", 1e9) is None
+    now = nat.Retries(10.0, 2, first_at_once=True)
+    assert now.take("q", 5.0) == 1 and not now.exhausted("q")
+    now.forget("q")
+    assert now.take("q", 5.0) == 1
