@@ -1,8 +1,8 @@
 """The one façade over py-libp2p: a host with TCP + Noise + Yamux, a Kademlia DHT and GossipSub.
 
-Nothing outside this module and protocol/nat.py (relay, hole punching) imports libp2p.
-Peers are named by their base58 peer-id strings and addresses are multiaddr strings;
-libp2p's exceptions are mapped to ``protocol.errors`` here.
+Nothing outside this module, protocol/conns.py and protocol/nat.py (relay, hole punching)
+imports libp2p. Peers are named by their base58 peer-id strings and addresses are
+multiaddr strings; libp2p's exceptions are mapped to ``protocol.errors`` here.
 
 Choices, each measured or learned in ../shared/probes:
 - Noise only, Yamux only: libp2p's defaults also offer plaintext and secio.
@@ -47,8 +47,10 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from protocol.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.dialback import DialbackServer
 from protocol.errors import DialError, ProtocolError, StreamError
-from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit, remote_ipv4, socket_stream_of
+from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
 from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -87,13 +89,6 @@ class GossipMessage:
 
 
 StreamHandler = Callable[["Stream"], Awaitable[None]]
-
-
-def _parse_peer_id(peer_id: str) -> ID:
-    try:
-        return ID.from_base58(peer_id)
-    except (ValueError, BaseLibp2pError) as exc:
-        raise DialError(f"invalid peer id {peer_id!r}") from exc
 
 
 def parse_dial_addr(addr: str) -> PeerAddrs:
@@ -140,19 +135,21 @@ def _announce_for(listen_addrs: list[str]) -> list[str]:
     then forgets every address of the peer it meant and blocks it for a minute, which is
     what hole punching needs least. Empty (libp2p's default) if a port is not fixed yet.
     """
-    if not any(a.startswith("/ip4/0.0.0.0/") for a in listen_addrs) or any(
-        a.split("/")[4:5] == ["0"] for a in listen_addrs
-    ):
+    if not any(a.startswith(_WILDCARD) for a in listen_addrs) or any(a.split("/")[4:5] == ["0"] for a in listen_addrs):
         return []
-    result: list[str] = []
-    for addr in listen_addrs:
-        if not addr.startswith("/ip4/0.0.0.0/"):
-            result.append(addr)
-            continue
-        rest = addr.removeprefix("/ip4/0.0.0.0/")
-        ips = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")] or ["127.0.0.1"]
-        result.extend(f"/ip4/{ip}/{rest}" for ip in ips)
-    return result
+    ips = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")] or ["127.0.0.1"]
+    return [a for addr in listen_addrs for a in _on_ips(addr, ips)]
+
+
+_WILDCARD = "/ip4/0.0.0.0/"
+
+
+def _on_ips(addr: str, ips: list[str]) -> list[str]:
+    """``addr``, or for a 0.0.0.0 address the same address on each of ``ips``."""
+    if not addr.startswith(_WILDCARD):
+        return [addr]
+    rest = addr.removeprefix(_WILDCARD)
+    return [f"/ip4/{ip}/{rest}" for ip in ips]
 
 
 def _local_ipv4_addrs() -> list[str]:
@@ -224,13 +221,9 @@ class Host:
         A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses; behind
         a NAT, the port the router forwards (UPnP) and our relay circuit addresses come last.
         """
-        result: list[str] = []
-        for addr in (str(a) for a in self._host.get_addrs()):
-            if addr.startswith("/ip4/0.0.0.0/"):
-                rest = addr.removeprefix("/ip4/0.0.0.0/")
-                result.extend(f"/ip4/{ip}/{rest}" for ip in _local_ipv4_addrs())
-            else:
-                result.append(addr)
+        raw = [str(a) for a in self._host.get_addrs()]
+        ips = _local_ipv4_addrs() if any(a.startswith(_WILDCARD) for a in raw) else []
+        result = [a for addr in raw for a in _on_ips(addr, ips)]
         result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.extra_addrs())
         return result
 
@@ -267,7 +260,7 @@ class Host:
     def socket_streams(self, peer_id: str) -> list[trio.SocketStream]:
         """The TCP streams under our direct connections to a peer (for measuring bytes on the wire)."""
         try:
-            conns = self._host.get_network().connections.get(_parse_peer_id(peer_id), [])
+            conns = self._host.get_network().connections.get(parse_peer_id(peer_id), [])
         except DialError:
             return []
         return [s for s in (socket_stream_of(c) for c in conns) if s is not None]
@@ -287,7 +280,7 @@ class Host:
             addrs = [multiaddr.Multiaddr(a) for a in peer.addrs if not is_circuit(a)]
         except _ADDR_ERRORS as exc:
             raise DialError(f"bad address for {peer.peer_id}: {exc}") from exc
-        info = PeerInfo(_parse_peer_id(peer.peer_id), addrs)
+        info = PeerInfo(parse_peer_id(peer.peer_id), addrs)
         circuits = self.nat.circuit_addrs_for(peer.peer_id, list(peer.addrs))
         deadline = trio.current_time() + timeout_s
         direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
@@ -326,14 +319,14 @@ class Host:
 
     async def disconnect(self, peer_id: str) -> None:
         try:
-            await self._host.disconnect(_parse_peer_id(peer_id))
+            await self._host.disconnect(parse_peer_id(peer_id))
         except (BaseLibp2pError, OSError) as exc:
             logger.debug("disconnecting %s: %s", peer_id, exc)
 
     async def open_stream(self, peer_id: str, protocol_id: str, *, timeout_s: float) -> Stream:
         with trio.move_on_after(timeout_s) as scope:
             try:
-                raw = await self._host.new_stream(_parse_peer_id(peer_id), [TProtocol(protocol_id)])
+                raw = await self._host.new_stream(parse_peer_id(peer_id), [TProtocol(protocol_id)])
             except (BaseLibp2pError, OSError) as exc:
                 raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}") from exc
             return Stream(raw)
@@ -533,7 +526,7 @@ async def open_host(
     host = Host(_RawParts(raw_host, dht, pubsub, nat))
     if relayed_tensors_mbps > 0:
         host.relayed_tensor_limit = RateLimit.from_mbps(relayed_tensors_mbps)
-    nat.set_dialback_handler(host)
+    DialbackServer(host).register()
     async with AsyncExitStack() as stack:
         try:
             await stack.enter_async_context(raw_host.run(listen))

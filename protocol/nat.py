@@ -2,18 +2,10 @@
 
 Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. So:
 
-- **Reachability** ("AutoNAT"): a node asks up to three peers it reached directly to dial
-  it back (``/swarmtrain/autonat/1.0.0``). The asked peer opens a fresh TCP connection to
-  the *IP it sees the asker on* (never another, so nobody can aim it at a third party) at
-  each listen port the asker named (at most four), and says which ports answered. One
-  success makes us ``public``; answers that all failed make us ``private``; no answer
-  leaves us ``unknown``. Checked at start, whenever our listen addresses change, while
-  still unknown, and every ``RECHECK_INTERVAL_S``.
-
-  Why not libp2p's own AutoNAT service: in py-libp2p 0.8.1 its dial-back calls
-  ``host.connect``, which returns at once when a connection to the asker exists, and the
-  asker is always connected to it, so every dial-back "succeeds" (basic_host.py
-  ``connect``). A fresh TCP connection is the honest test.
+- **Reachability**: a node asks up to three peers it reached directly to dial it back on
+  a fresh TCP connection (protocol/dialback.py). One success makes us ``public``; answers
+  that all failed make us ``private``; no answer leaves us ``unknown``. Checked at start,
+  whenever our addresses change, while still unknown, and every ``RECHECK_INTERVAL_S``.
 
 - **Relay service**: a public node offers circuit relay v2 (libp2p's ``CircuitV2Protocol``)
   with bounded reservations, circuits, bytes and seconds per circuit (``NatPolicy``).
@@ -33,10 +25,8 @@ Nothing here carries tensors: the policy (tensors only over direct connections) 
 callers' (``Host.connection_type``, protocol/pairing.py).
 """
 
-import ipaddress
 import logging
 import random
-import socket
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,7 +37,6 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.net_stream import INetStream
-from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
@@ -56,30 +45,24 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from protocol import dialback
 from protocol import upnp as igd
-from protocol import wire
-from protocol.errors import BadMessage, DialError, ProtocolError
+from protocol.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.errors import DialError
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-    from protocol.host import Host, Stream
+    from protocol.host import Host
 
 logger = logging.getLogger(__name__)
 
-AUTONAT_PROTOCOL_ID = "/swarmtrain/autonat/1.0.0"
-VERSION = 1
-MAX_FRAME_NBYTES = 1024
-MAX_PORTS = 4
-DIALBACK_TIMEOUT_S = 3.0
-ASK_TIMEOUT_S = 2 * DIALBACK_TIMEOUT_S + 2.0
-# A peer may ask us to dial back at most this often (the dial-back costs us sockets).
-DIALBACK_COOLDOWN_S = 10.0
 SERVERS_PER_CHECK = 3
 RECHECK_INTERVAL_S = 600.0
 # How often the loops look at connections and addresses (cheap: dict scans).
 POLL_S = 1.0
 WANTED_RELAYS = 2
+RESERVE_TIMEOUT_S = 8.0
 # A peer that refused a slot (most peers are not relays) is asked again after 30 s, then
 # doubling up to 30 min: its reachability may change, but asking often only costs both.
 RESERVE_RETRY_S = 30.0
@@ -94,9 +77,6 @@ PUNCH_RETRIES = 5
 # A relayed peer we lost is dialed through our relays again: at once, then after 10, 20, 40, 80 s.
 REDIAL_S = 5.0
 REDIALS = 5
-UPNP_LEASE_S = 3600
-UPNP_RETRY_S = 600.0
-UPNP_UNMAP_TIMEOUT_S = 2.0
 
 REACHABILITY = ("unknown", "public", "private")
 FORCED_REACHABILITY = ("auto", "public", "private")
@@ -153,7 +133,7 @@ class NatStatus:
     offering_relay: bool = False
     reservations: dict[str, Reservation] = field(default_factory=dict)
     upnp: str = "off"
-    """off, mapping, mapped, or failed: <why>."""
+    """off, mapping, mapped, unmapped (stopping or renewal failed), or failed: <why>."""
     upnp_addr: str | None = None
     """The router's public address and port forwarded to us, while mapped."""
     first_direct_s: float | None = None
@@ -162,13 +142,6 @@ class NatStatus:
 
 def is_circuit(addr: str) -> bool:
     return "/p2p-circuit" in addr
-
-
-def _peer(peer_id: str) -> ID:
-    try:
-        return ID.from_base58(peer_id)
-    except (ValueError, BaseLibp2pError) as exc:
-        raise DialError(f"invalid peer id {peer_id!r}") from exc
 
 
 class Retries:
@@ -221,7 +194,6 @@ class Nat:
         self.changed = trio.Event()
         """Set (and replaced) whenever reachability, our relay slots or a connection's type change."""
         self._preferred: list[str] = []
-        self._dialback_last: dict[str, float] = {}
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
@@ -243,9 +215,6 @@ class Nat:
         """Ask these first for dial-backs and reservations (the bootstrap peers)."""
         self._preferred = list(peer_ids)
 
-    def set_dialback_handler(self, host: "Host") -> None:
-        host.set_handler(AUTONAT_PROTOCOL_ID, self._serve_dialback)
-
     async def run(self, host: "Host", *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = trio.current_time()
         async with AsyncExitStack() as stack:
@@ -258,8 +227,9 @@ class Nat:
                 nursery.start_soon(self._reachability_loop, host)
             nursery.start_soon(self._reservation_loop, host)
             nursery.start_soon(self._watch_connections, host)
-            if self.policy.upnp:
-                nursery.start_soon(self._upnp_loop)
+            ports = self._listen_ports()
+            if self.policy.upnp and ports:
+                nursery.start_soon(igd.keep_mapped, ports[0], self.policy.ssdp_addr, self._upnp_changed)
             task_status.started()
             await trio.sleep_forever()
 
@@ -269,7 +239,7 @@ class Nat:
         """ "direct" if any connection to the peer is a TCP socket of ours, "relayed" if all
         go through a relay, None if not connected."""
         try:
-            conns = self._raw.get_network().connections.get(_peer(peer_id), [])
+            conns = self._raw.get_network().connections.get(parse_peer_id(peer_id), [])
         except DialError:
             return None
         if not conns:
@@ -314,7 +284,7 @@ class Nat:
         if tries is None:
             return
         logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries, PUNCH_RETRIES)
-        self._dcutr.on_peer_disconnected(_peer(peer_id))  # resets its attempt budget for this peer
+        self._dcutr.on_peer_disconnected(parse_peer_id(peer_id))  # resets its attempt budget for this peer
         self._nursery.start_soon(self._punch, peer_id)
 
     def _maybe_redial(self, peer_id: str) -> None:
@@ -339,7 +309,7 @@ class Nat:
 
     async def _punch(self, peer_id: str) -> None:
         try:
-            await self._dcutr.initiate_hole_punch(_peer(peer_id))
+            await self._dcutr.initiate_hole_punch(parse_peer_id(peer_id))
         except (BaseLibp2pError, OSError, DialError) as exc:
             logger.debug("hole punch to %s: %s", peer_id, exc)
 
@@ -366,40 +336,9 @@ class Nat:
 
     # --- UPnP ---
 
-    async def _upnp_loop(self) -> None:
-        ports = self._listen_ports()
-        if not ports:
-            return
-        port = ports[0]
-        while True:
-            self.status.upnp = "mapping"
-            try:
-                gateway = await igd.discover(self.policy.ssdp_addr)
-                await igd.add_mapping(gateway, port, lease_s=UPNP_LEASE_S)
-                ip = await igd.external_ip(gateway)
-            except igd.UpnpError as exc:
-                self.status.upnp = f"failed: {exc}"
-                self._notify()
-                logger.warning("UPnP: %s; retrying in %.0f min", exc, UPNP_RETRY_S / 60)
-                await trio.sleep(UPNP_RETRY_S)
-                continue
-            self.status.upnp, self.status.upnp_addr = "mapped", f"/ip4/{ip}/tcp/{port}"
-            logger.info("UPnP: the router forwards %s to us", self.status.upnp_addr)
-            self._notify()
-            try:
-                while True:
-                    await trio.sleep(UPNP_LEASE_S / 2)
-                    await igd.add_mapping(gateway, port, lease_s=UPNP_LEASE_S)
-            except igd.UpnpError as exc:
-                logger.warning("UPnP: renewing the mapping failed: %s", exc)
-            finally:
-                self.status.upnp_addr = None
-                self._notify()
-                with trio.CancelScope(shield=True), trio.move_on_after(UPNP_UNMAP_TIMEOUT_S):
-                    try:
-                        await igd.delete_mapping(gateway, port)
-                    except igd.UpnpError as exc:
-                        logger.info("UPnP: removing the mapping: %s (it expires by itself)", exc)
+    def _upnp_changed(self, state: str, addr: str | None) -> None:
+        self.status.upnp, self.status.upnp_addr = state, addr
+        self._notify()
 
     # --- relay service ---
 
@@ -415,47 +354,6 @@ class Nat:
 
     # --- reachability ---
 
-    async def _serve_dialback(self, stream: "Stream") -> None:
-        request = await wire.receive(
-            stream, msg_types=frozenset({"dialback?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
-        )
-        ports = request.get("ports")
-        if not isinstance(ports, list) or not 1 <= len(ports) <= MAX_PORTS:
-            raise BadMessage(f"dialback?: 'ports' must be a list of 1-{MAX_PORTS} ports")
-        checked = [wire.get_int({"p": p}, "p", lo=1, hi=65535) for p in ports]
-        now = trio.current_time()
-        last = self._dialback_last.get(stream.peer_id)
-        if last is not None and now - last < DIALBACK_COOLDOWN_S:
-            await wire.send(stream, "dialback", VERSION, {"ok": [], "ip": "", "refused": "asked too often"})
-            return
-        self._dialback_last[stream.peer_id] = now
-        if len(self._dialback_last) > 4096:  # bounded: forget the oldest
-            for peer in sorted(self._dialback_last, key=self._dialback_last.__getitem__)[:2048]:
-                del self._dialback_last[peer]
-        ip = self._observed_ip(stream.peer_id)
-        if ip is None:
-            await wire.send(stream, "dialback", VERSION, {"ok": [], "ip": "", "refused": "not a direct connection"})
-            return
-        reached: list[int] = []
-
-        async def try_port(port: int) -> None:
-            with trio.move_on_after(DIALBACK_TIMEOUT_S):
-                try:
-                    conn = await trio.open_tcp_stream(ip, port)
-                except OSError:
-                    return
-                await trio.aclose_forcefully(conn)
-                reached.append(port)
-
-        async with trio.open_nursery() as nursery:
-            for port in dict.fromkeys(checked):
-                nursery.start_soon(try_port, port)
-        await wire.send(stream, "dialback", VERSION, {"ok": sorted(reached), "ip": ip})
-
-    def _observed_ip(self, peer_id: str) -> str | None:
-        remote = remote_ipv4(self._raw, peer_id)
-        return remote[0] if remote else None
-
     def _listen_ports(self) -> list[int]:
         ports = []
         for addr in self._raw.get_transport_addrs():
@@ -463,42 +361,7 @@ class Nat:
                 ports.append(int(addr.value_for_protocol("tcp")))
             except (BaseLibp2pError, ValueError, multiaddr.exceptions.Error):
                 continue
-        return sorted(set(ports))[:MAX_PORTS]
-
-    async def _ask_dialback(self, host: "Host", server: str, ports: list[int]) -> tuple[bool, str | None] | None:
-        """(reached, the IP it saw us on), or None if it gave no verdict."""
-        try:
-            with trio.fail_after(ASK_TIMEOUT_S):
-                stream = await host.open_stream(server, AUTONAT_PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
-                try:
-                    await wire.send(stream, "dialback?", VERSION, {"ports": ports})
-                    reply = await wire.receive(
-                        stream, msg_types=frozenset({"dialback"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
-                    )
-                finally:
-                    await stream.close()
-        except (ProtocolError, trio.TooSlowError) as exc:
-            logger.debug("dial-back request to %s: %s", server, exc)
-            return None
-        if reply.get("refused"):
-            logger.debug("dial-back request to %s refused: %s", server, str(reply["refused"])[:100])
-            return None
-        ok = reply.get("ok")
-        ip = reply.get("ip")
-        if (
-            not isinstance(ok, list)
-            or len(ok) > MAX_PORTS
-            or not all(isinstance(port, int) for port in ok)
-            or not isinstance(ip, str)
-        ):
-            logger.info("dial-back answer from %s is malformed", server)
-            return None
-        try:
-            seen_as = str(ipaddress.IPv4Address(ip)) if ip else None
-        except ValueError:
-            logger.info("dial-back answer from %s names no IPv4 address", server)
-            return None
-        return any(port in ports for port in ok), seen_as
+        return sorted(set(ports))[: dialback.MAX_PORTS]
 
     def _servers(self, host: "Host") -> list[str]:
         direct = [p for p, kind in self.connection_types().items() if kind == "direct"]
@@ -515,7 +378,7 @@ class Nat:
         verdicts: list[tuple[bool, str | None]] = []
 
         async def ask(server: str) -> None:
-            verdict = await self._ask_dialback(host, server, ports)
+            verdict = await dialback.ask(host, server, ports)
             if verdict is not None:
                 verdicts.append(verdict)
 
@@ -586,7 +449,7 @@ class Nat:
             if wait_s and now - refused_at < wait_s:
                 continue
             try:
-                protocols = self._raw.get_peerstore().get_protocols(_peer(peer_id))
+                protocols = self._raw.get_peerstore().get_protocols(parse_peer_id(peer_id))
             except (BaseLibp2pError, DialError, KeyError):
                 continue
             if HOP_PROTOCOL_ID in protocols:
@@ -603,11 +466,11 @@ class Nat:
             return False
         ok = False
         try:
-            with trio.fail_after(ASK_TIMEOUT_S):
-                stream = await self._raw.new_stream(_peer(relay), [TProtocol(HOP_PROTOCOL_ID)])
+            with trio.fail_after(RESERVE_TIMEOUT_S):
+                stream = await self._raw.new_stream(parse_peer_id(relay), [TProtocol(HOP_PROTOCOL_ID)])
                 try:
                     assert self._nursery is not None
-                    ok = await self._transport.reserve(stream, _peer(relay), self._nursery)
+                    ok = await self._transport.reserve(stream, parse_peer_id(relay), self._nursery)
                 finally:
                     await _close_quietly(stream)
         except (BaseLibp2pError, OSError, DialError, trio.TooSlowError) as exc:
@@ -644,37 +507,6 @@ class Nat:
             "upnp_addr": s.upnp_addr,
             "first_direct_s": s.first_direct_s,
         }
-
-
-def socket_stream_of(conn: object) -> trio.SocketStream | None:
-    """The TCP socket under a connection: conn → muxer → security → raw → trio stream.
-
-    A relayed connection ends in a stream over another peer, not in a socket: None.
-    """
-    layer: object = getattr(conn, "muxed_conn", None)
-    for _ in range(8):  # the stack is 5 layers deep in 0.8.1
-        if layer is None or isinstance(layer, trio.SocketStream):
-            break
-        layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
-    return layer if isinstance(layer, trio.SocketStream) else None
-
-
-def remote_ipv4(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
-    """(IP, port) of the peer on our direct IPv4 connection to it; None if relayed or none."""
-    try:
-        conns = raw_host.get_network().connections.get(_peer(peer_id), [])
-    except DialError:
-        return None
-    for conn in conns:
-        sock = socket_stream_of(conn)
-        if sock is None or sock.socket.family != socket.AF_INET:
-            continue
-        try:
-            ip, port = sock.socket.getpeername()[:2]
-        except OSError:  # closed under us
-            continue
-        return str(ip), int(port)
-    return None
 
 
 async def _close_quietly(stream: INetStream) -> None:

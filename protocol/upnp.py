@@ -20,6 +20,7 @@ import logging
 import re
 import socket
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
@@ -38,6 +39,8 @@ DISCOVER_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 5.0
 MAX_REPLY_NBYTES = 64 << 10
 LEASE_S = 3600
+RETRY_S = 600.0
+UNMAP_TIMEOUT_S = 2.0
 DESCRIPTION = "swarmtrain"
 _IPV4 = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
 
@@ -214,3 +217,38 @@ class Mapping:
     @property
     def addr(self) -> str:
         return f"/ip4/{self.external_ip}/tcp/{self.port}"
+
+
+async def keep_mapped(port: int, ssdp_addr: tuple[str, int], on_change: Callable[[str, str | None], None]) -> None:
+    """Keep ``port`` forwarded to us for as long as this runs; remove the mapping when cancelled.
+
+    ``on_change(state, addr)`` hears "mapping", "mapped" with the forwarded address,
+    "unmapped" (renewal failed, or stopping) and "failed: <why>" (retried every ``RETRY_S``).
+    """
+    while True:
+        on_change("mapping", None)
+        try:
+            gateway = await discover(ssdp_addr)
+            await add_mapping(gateway, port, lease_s=LEASE_S)
+            ip = await external_ip(gateway)
+        except UpnpError as exc:
+            on_change(f"failed: {exc}", None)
+            logger.warning("UPnP: %s; retrying in %.0f min", exc, RETRY_S / 60)
+            await trio.sleep(RETRY_S)
+            continue
+        addr = f"/ip4/{ip}/tcp/{port}"
+        logger.info("UPnP: the router forwards %s to us", addr)
+        on_change("mapped", addr)
+        try:
+            while True:
+                await trio.sleep(LEASE_S / 2)
+                await add_mapping(gateway, port, lease_s=LEASE_S)
+        except UpnpError as exc:
+            logger.warning("UPnP: renewing the mapping failed: %s", exc)
+        finally:
+            on_change("unmapped", None)
+            with trio.CancelScope(shield=True), trio.move_on_after(UNMAP_TIMEOUT_S):
+                try:
+                    await delete_mapping(gateway, port)
+                except UpnpError as exc:
+                    logger.info("UPnP: removing the mapping: %s (it expires by itself)", exc)

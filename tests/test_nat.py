@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from protocol import exchange, nat, wire
+from protocol import dialback, exchange, nat, wire
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorReceiver, TensorSpec
 from protocol.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
@@ -154,10 +154,10 @@ async def test_dial_back_finds_a_loopback_node_public() -> None:
 
 
 async def ask(client: Host, server: Host, fields: dict[str, object]) -> dict[str, object]:
-    stream = await client.open_stream(server.peer_id, nat.AUTONAT_PROTOCOL_ID, timeout_s=5)
+    stream = await client.open_stream(server.peer_id, dialback.PROTOCOL_ID, timeout_s=5)
     with trio.fail_after(15):
-        await wire.send(stream, "dialback?", nat.VERSION, fields)
-        return await wire.receive(stream, msg_types=frozenset({"dialback"}), version=nat.VERSION, max_nbytes=1024)
+        await wire.send(stream, "dialback?", dialback.VERSION, fields)
+        return await wire.receive(stream, msg_types=frozenset({"dialback"}), version=dialback.VERSION, max_nbytes=1024)
 
 
 async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_requests() -> None:
@@ -182,14 +182,14 @@ async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_reques
 )
 async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[str, object]) -> None:
     async def liar(stream: Stream) -> None:
-        await wire.receive(stream, msg_types=frozenset({"dialback?"}), version=nat.VERSION, max_nbytes=1024)
-        await wire.send(stream, "dialback", nat.VERSION, answer)
+        await wire.receive(stream, msg_types=frozenset({"dialback?"}), version=dialback.VERSION, max_nbytes=1024)
+        await wire.send(stream, "dialback", dialback.VERSION, answer)
 
     async with (
         host(10, nat.NatPolicy(reachability="public", hole_punch=False)) as server,
         host(11, nat.NatPolicy(hole_punch=False)) as client,
     ):
-        server.set_handler(nat.AUTONAT_PROTOCOL_ID, liar)
+        server.set_handler(dialback.PROTOCOL_ID, liar)
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         assert await client.nat.check_reachability(client) == "unknown"
         assert client.nat.status.observed_ip is None

@@ -1,0 +1,48 @@
+"""What lies under a libp2p connection: peer ids, the TCP socket of a direct connection."""
+
+import socket
+
+import trio
+from libp2p.abc import IHost
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from protocol.errors import DialError
+
+
+def parse_peer_id(peer_id: str) -> ID:
+    try:
+        return ID.from_base58(peer_id)
+    except (ValueError, BaseLibp2pError) as exc:
+        raise DialError(f"invalid peer id {peer_id!r}") from exc
+
+
+def socket_stream_of(conn: object) -> trio.SocketStream | None:
+    """The TCP socket under a connection: conn → muxer → security → raw → trio stream.
+
+    A relayed connection ends in a stream over another peer, not in a socket: None.
+    """
+    layer: object = getattr(conn, "muxed_conn", None)
+    for _ in range(8):  # the stack is 5 layers deep in 0.8.1
+        if layer is None or isinstance(layer, trio.SocketStream):
+            break
+        layer = next((getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a)), None)
+    return layer if isinstance(layer, trio.SocketStream) else None
+
+
+def remote_ipv4(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
+    """(IP, port) of the peer on our direct IPv4 connection to it; None if relayed or none."""
+    try:
+        conns = raw_host.get_network().connections.get(parse_peer_id(peer_id), [])
+    except DialError:
+        return None
+    for conn in conns:
+        sock = socket_stream_of(conn)
+        if sock is None or sock.socket.family != socket.AF_INET:
+            continue
+        try:
+            ip, port = sock.socket.getpeername()[:2]
+        except OSError:  # closed under us
+            continue
+        return str(ip), int(port)
+    return None
