@@ -286,13 +286,15 @@ class Daemon:
         connected = host.connected_peers() if host else set()
         members = rs.state.members if rs else {}
         now = trio.current_time()
+        nat = host.nat.summary() if host else None
+        links = host.nat.connection_types() if host else {}
         peers = [
             {
                 "peer_id": peer_id,
                 "role": info.role or (members[peer_id].role if peer_id in members else ""),
                 "last_seen_s": round(now - info.last_seen, 2),
                 "connected": peer_id in connected,
-                "connection": host.connection_type(peer_id) if host else None,
+                "connection": links.get(peer_id),
             }
             for peer_id, info in sorted(live.items())
         ]
@@ -303,14 +305,12 @@ class Daemon:
             "run_id": rs.state.run_id if rs else None,
             "uptime_s": round(time.time() - self._started_at, 2),
             "reachability": host.nat.status.reachability if host else "unknown",
-            "nat": host.nat.summary() if host else None,
-            "network": (
-                network_line(host.nat.summary(), host.nat.connection_types(), host.transport_addrs()) if host else ""
-            ),
+            "nat": nat,
+            "network": network_line(nat, links, host.transport_addrs()) if host and nat else "",
             "peers_seen": len(live),
             "peers": peers,
             "connections": len(connected),
-            "links": host.nat.connection_types() if host else {},
+            "links": links,
             "dht_routing_table": host.dht_routing_table_size() if host else 0,
             "members": len(members),
             "state_digest": rs.state.digest if rs else None,
