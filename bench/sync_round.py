@@ -49,22 +49,27 @@ def _node(
     from protocol.exchange import TensorReceiver
     from protocol.host import open_host, parse_dial_addr
     from protocol.pairing import Pairing
-    from protocol.peers import PeerTable
     from protocol.ratelimit import RateLimit
 
     async def main() -> None:
         seed = index.to_bytes(2, "big") * 16
         async with open_host(identity_seed=seed, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as host:
             limit = RateLimit.from_mbps(link_mbps)
-            pairing = Pairing(host, send_timeout_s=TIMEOUT_S, upload_limit=limit)
-            diloco = DilocoExchange(host, send_timeout_s=TIMEOUT_S, upload_limit=limit)
+            pairing = Pairing(host, send_timeout_s=TIMEOUT_S, is_member=lambda _: True, upload_limit=limit)
+            diloco = DilocoExchange(host, send_timeout_s=TIMEOUT_S, is_member=lambda _: True, upload_limit=limit)
+            diloco.payload_nbytes = nbytes
             channel = DataChannel("127.0.0.1")
-            accept = pairing.accept_payload if algorithm == "noloco" else diloco.accept_payload
+            inbox_of = pairing if algorithm == "noloco" else diloco
             async with trio.open_nursery() as nursery:
                 await nursery.start(channel.run)
                 await nursery.start(pairing.run)
                 TensorReceiver(
-                    host, PeerTable(ttl_s=3600), accept, max_payload_nbytes=nbytes, timeout_s=TIMEOUT_S, channel=channel
+                    host,
+                    inbox_of.accept_payload,
+                    authorize=inbox_of.authorize,
+                    max_payload_nbytes=nbytes,
+                    timeout_s=TIMEOUT_S,
+                    channel=channel,
                 ).register()
                 results.put(("addr", index, host.addrs()[0]))
                 addrs: list[str] = await trio.to_thread.run_sync(commands.get)

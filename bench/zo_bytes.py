@@ -12,6 +12,7 @@ The issue's target: ≤ 16 bytes of payload per update.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 
@@ -19,7 +20,6 @@ import trio
 
 from protocol import gossip, zolog, zosync
 from protocol.host import open_host, parse_dial_addr
-from protocol.peers import PeerTable
 
 logging.getLogger("libp2p").addHandler(logging.NullHandler())
 RUN = "bench-zo-abcdef"
@@ -48,10 +48,7 @@ async def measure(size: int, batches: int) -> dict[str, float]:
         open_host(identity_seed=SEEDS[1], listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as b,
     ):
         logs = [zolog.UpdateLog(RUN, is_member=members.__contains__) for _ in range(2)]
-        syncs = [
-            zosync.ZoLogSync(host, PeerTable(ttl_s=600), log, current_round=lambda: 0)
-            for host, log in zip((a, b), logs, strict=True)
-        ]
+        syncs = [zosync.ZoLogSync(host, log, current_round=lambda: 0) for host, log in zip((a, b), logs, strict=True)]
         for sync in syncs:
             sync.register()
         await b.connect(parse_dial_addr(a.addrs()[0]), timeout_s=10)
@@ -61,11 +58,12 @@ async def measure(size: int, batches: int) -> dict[str, float]:
 
         async def listen() -> None:
             nonlocal got
-            async for message in b.subscribe(topic):
-                await syncs[1].receive_hint(message.from_peer, gossip.decode(message.data).batch)  # type: ignore[union-attr]
-                got += 1
-                if got == batches:
-                    received.set()
+            async with contextlib.aclosing(b.subscribe(topic)) as messages:
+                async for message in messages:
+                    await syncs[1].receive_hint(message.from_peer, gossip.decode(message.data).batch)  # type: ignore[union-attr]
+                    got += 1
+                    if got == batches:
+                        received.set()
 
         counter = Counter()
         async with trio.open_nursery() as nursery:
@@ -78,7 +76,7 @@ async def measure(size: int, batches: int) -> dict[str, float]:
                 rounds = [k] * size
                 raws.append(zolog.sign_batch(SEEDS[0], RUN, k * size, rounds, bytes(size)).encode())
             for raw in raws:  # the publisher's own log holds them too (for the pull below)
-                syncs[0].add(zolog.decode_batch(raw, RUN))
+                await syncs[0].add(zolog.decode_batch(raw, RUN))
             started, before = trio.current_time(), counter.nbytes
             for raw in raws:
                 await a.publish(topic, gossip.encode(gossip.ZoBatch(raw)))

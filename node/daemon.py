@@ -23,11 +23,11 @@ from node.training import RUN_SETTINGS, TrainingService
 from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
-from protocol.info import NodeInfo, ask_info, serve_info
+from protocol.info import NodeInfo, ask_info, our_versions, serve_info
 from protocol.nat import NatPolicy
 from protocol.peers import PeerTable
 from protocol.run import RunService
-from protocol.state import Manifest, MemberRecord, RunState
+from protocol.state import MAX_ADDRS, Manifest, MemberRecord, RunState, sign_member
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -49,6 +49,8 @@ class Daemon:
         self.data_dir = DataDir(config.data_dir)
         self.seed = b""
         self.peer_id = ""
+        self.identity_warning: str | None = None
+        """Set when the key file changed since the last start (said loudly, shown in status)."""
         self.host: Host | None = None
         self.run_service: RunService | None = None
         self.discovery: Discovery | None = None
@@ -63,6 +65,7 @@ class Daemon:
         self.data_dir.open()
         self.seed = identity.load_or_create(self.data_dir.identity_file)
         self.peer_id = peer_id_from_seed(self.seed)
+        self.identity_warning = identity.remember(self.data_dir.path / identity.RECORD_FILE, self.peer_id)
         return self.peer_id
 
     def request_stop(self) -> None:
@@ -94,6 +97,7 @@ class Daemon:
                 relay=relay,
                 preferred_peers=[parse_dial_addr(a).peer_id for a in net.bootstrap],
                 relayed_tensors_mbps=net.relayed_tensors_mbps,
+                peers=self.peers,
             ) as host:
                 self.host = host
                 await self._serve(host, task_status)
@@ -104,11 +108,13 @@ class Daemon:
             self.data_dir.close()
 
     async def _serve(self, host: Host, task_status: "TaskStatus[None]") -> None:
+        if self.identity_warning:
+            logger.error("%s", self.identity_warning)
         logger.info("peer id %s listening on %s", self.peer_id, ", ".join(host.addrs()))
         bootstrap = [parse_dial_addr(a) for a in self.config.network.bootstrap]
         run_id = await self._settle_run(host, bootstrap)
         state = self._open_state(run_id) if run_id else None
-        serve_info(host, NodeInfo(self.peer_id, self.config.role, (run_id,) if run_id else (), AGENT))
+        serve_info(host, NodeInfo(self.peer_id, self.config.role, (run_id,) if run_id else (), AGENT, our_versions()))
         async with trio.open_nursery() as nursery:
             on_peer = self._on_peer_without_run
             if state is not None:
@@ -184,6 +190,12 @@ class Daemon:
             except ProtocolError as exc:
                 errors.append(f"{peer.peer_id}: {exc}")
                 continue
+            differ = info.incompatible(our_versions())
+            if differ:
+                raise NodeError(
+                    f"{peer.peer_id} runs another swarmtrain release ({info.agent}): {'; '.join(differ)}."
+                    f" This node ({AGENT}) cannot train with it: run the same release"
+                )
             if len(info.runs) == 1:
                 logger.info("joining run %s of %s", info.runs[0], peer.peer_id)
                 return info.runs[0]
@@ -215,21 +227,26 @@ class Daemon:
                     creator=self.peer_id,
                     created_at=time.time(),
                     **{name: getattr(training, name) for name in RUN_SETTINGS},
-                )
+                ),
+                self.seed,
             )
             logger.info("created run %s", run_id)
         return state
 
     def _member_record(self, host: Host, state: RunState) -> MemberRecord:
+        """Our record, signed, with a seq above any of ours peers may hold (a millisecond
+        clock, and never below the last one we saw: it replaces the old one everywhere)."""
         previous = state.members.get(self.peer_id)
-        return MemberRecord(
+        record = MemberRecord(
             peer_id=self.peer_id,
-            addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in host.addrs()),
+            addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in host.addrs())[:MAX_ADDRS],
             role=self.config.role,
             device=detect_device(self.config.device),
             memory_nbytes=total_memory_nbytes(),
             joined_at=previous.joined_at if previous else time.time(),
+            seq=max(int(time.time() * 1000), previous.seq + 1 if previous else 0),
         )
+        return sign_member(record, self.seed, state.run_id)
 
     async def _follow_addresses(self, host: Host, state: RunState) -> None:
         """Behind a NAT our addresses change as relay slots come and go: tell the run and the DHT."""
@@ -304,6 +321,7 @@ class Daemon:
             "role": self.config.role,
             "run_id": rs.state.run_id if rs else None,
             "uptime_s": round(time.time() - self._started_at, 2),
+            "identity_changed": self.identity_warning,
             "reachability": host.nat.status.reachability if host else "unknown",
             "nat": nat,
             "network": network_line(nat, links, host.transport_addrs()) if host and nat else "",
@@ -347,7 +365,7 @@ def network_line(nat: dict[str, Any], connections: dict[str, str], listen: list[
             f"network: no public address{seen}; {reserved}; {peers}; forward TCP port {port} to be dialable"
             f"{_upnp_note(nat)}"
         )
-    return f"network: reachability unknown (no peer has answered a dial-back yet); {peers}"
+    return f"network: reachability unknown (not enough dial-back confirmations from distinct peers yet); {peers}"
 
 
 def _upnp_note(nat: dict[str, Any]) -> str:

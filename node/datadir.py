@@ -68,8 +68,12 @@ class DataDir:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
         target = self.run_file(run_id)
         tmp = target.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk leaves the old file whole, and no debris
+            raise

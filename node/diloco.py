@@ -9,6 +9,7 @@ the wait grows with the slowest node, and the traffic with the number of nodes.
 """
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -25,8 +26,18 @@ MAX_ROUNDS_AHEAD = 2
 
 
 class DilocoExchange:
-    def __init__(self, host: Host, *, send_timeout_s: float, upload_limit: RateLimit = UNLIMITED) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        send_timeout_s: float,
+        is_member: Callable[[str], bool],
+        upload_limit: RateLimit = UNLIMITED,
+    ) -> None:
         self._host = host
+        self._is_member = is_member
+        self.payload_nbytes: int | None = None
+        """The size every payload of this run has (the worker's); None until it is known."""
         self._send_timeout_s = send_timeout_s
         self._upload_limit = upload_limit
         self._round = 0
@@ -34,6 +45,22 @@ class DilocoExchange:
         self._changed = trio.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def authorize(self, peer_id: str, round_index: int, nbytes: int) -> str | None:
+        """TensorReceiver check before any allocation: a member's payload of our size for a
+        round we keep, and only one per peer and round."""
+        if not self._is_member(peer_id):
+            return "not a member of this run"
+        # Until our worker said its size (a fast peer may finish round 0 first), a member's
+        # payload is taken at any size within the receiver's limit; accept_payload keeps
+        # only those of our size.
+        if self.payload_nbytes is not None and nbytes != self.payload_nbytes:
+            return f"our payload is {self.payload_nbytes} bytes"
+        if not self._round <= round_index <= self._round + MAX_ROUNDS_AHEAD:
+            return f"we are at round {self._round}"
+        if peer_id in self._received.get(round_index, {}):
+            return "already have yours for that round"
+        return None
 
     async def accept_payload(self, peer_id: str, payload: Payload) -> None:
         """TensorReceiver callback: keep payloads for this round and the next few."""

@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 SEED_NBYTES = 32
 IDENTITY_FILE = "identity.key"
+RECORD_FILE = "identity.peer_id"
+"""The peer id this data dir had at its last start: a replaced key file is noticed."""
 
 
 def load_or_create(path: Path) -> bytes:
@@ -50,3 +52,28 @@ def _load(path: Path) -> bytes:
         logger.warning("identity file %s was readable by others (mode %o); set it to 0600", path, mode)
         path.chmod(0o600)
     return seed
+
+
+def remember(path: Path, peer_id: str) -> str | None:
+    """Record ``peer_id`` as this data dir's; a warning (to print loudly) if it had another.
+
+    A replaced or regenerated key file silently made a new peer before issue 12: peers
+    then saw a stranger, its old member record and log entries were orphaned. It may be
+    intended (a copied data dir must not share a key), so it is reported, not refused.
+    """
+    try:
+        previous = path.read_text().strip() if path.exists() else None
+        if previous != peer_id:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(peer_id + "\n")
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise DataDirError(f"cannot record the peer id in {path}: {exc.strerror}") from exc
+    if previous is None or previous == peer_id:
+        return None
+    return (
+        f"this data dir's identity changed: it was peer {previous}, it is now {peer_id} (the key file "
+        f"{path.with_name(IDENTITY_FILE)} was replaced or recreated). Peers see a new node; the old one's "
+        "records and updates stay under the old id. If that was not intended, stop this node and restore "
+        "the old key file."
+    )

@@ -18,9 +18,14 @@ Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
          and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s",
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
+         "payloads_refused" (partner payloads refused: out of bounds, non-finite),
+         "checkpoint_error" (why the last checkpoint could not be written, or null),
          and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
          "bytes_per_update", "log_entries", "rebuilds", "start_round",
          "checkpoint_round" (a late joiner: the round of the checkpoint it fetched),
+         "g_clipped", "g_silenced" (entries the robust g rule clipped or zeroed),
+         "authors_excluded" (convicted of equivocation), "recoveries" (weights taken
+         from the majority after the weights-hash agreement outvoted this node),
          and always: "connections" {peer_id: "direct" | "relayed"}, "reachability",
          "relay_reservations" [relay peer ids], "first_direct_s" (from the node's start to its
          first direct connection to a peer it had reached by relay; null if none)}],
@@ -408,10 +413,11 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
+    *("payloads_refused", "checkpoint_error"),
 )
 ZO_REPORT_KEYS = (
     *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round"),
-    *("entries_by_gossip", "entries_by_pull"),
+    *("entries_by_gossip", "entries_by_pull", "g_clipped", "g_silenced", "authors_excluded", "recoveries"),
 )
 
 

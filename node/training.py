@@ -30,7 +30,7 @@ from protocol.data_channel import DataChannel
 from protocol.exchange import TensorReceiver
 from protocol.host import Host
 from protocol.pairing import Pairing
-from protocol.peers import PeerTable
+from protocol.peers import BAN_POINTS, PeerTable
 from protocol.ratelimit import RateLimit
 from protocol.run import RunService
 from protocol.state import Manifest, RunState
@@ -63,6 +63,10 @@ class TrainingMetrics:
     the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""
     finished: bool = False
     worker_starts: int = 0
+    checkpoint_error: str | None = None
+    """Why the last checkpoint could not be written (a full disk...), None once one was."""
+    payloads_refused: int = 0
+    """Partner payloads the worker refused (non-finite, out of bounds): each cost its sender."""
 
 
 def adopt(ours: TrainingConfig, manifest: Manifest) -> TrainingConfig | None:
@@ -112,6 +116,8 @@ class TrainingService:
         self._device = device
         self._supervisor: Supervisor | None = None
         self._zo: ZoRounds | None = None
+        self._partner: str | None = None
+        """This round's NoLoCo partner, until the worker's outer step says what it made of it."""
         self._identity_seed = identity_seed
         self._run_service = run_service
         self.adopted = trio.Event()
@@ -119,8 +125,12 @@ class TrainingService:
         self.metrics = TrainingMetrics()
         self._first_ready: float | None = None
         upload_limit = RateLimit.from_mbps(upload_limit_mbps)  # one cap for every send of this node
-        self._pairing = Pairing(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
-        self._diloco = DilocoExchange(host, send_timeout_s=SEND_TIMEOUT_S, upload_limit=upload_limit)
+        self._pairing = Pairing(
+            host, send_timeout_s=SEND_TIMEOUT_S, is_member=self._is_trainer_member, upload_limit=upload_limit
+        )
+        self._diloco = DilocoExchange(
+            host, send_timeout_s=SEND_TIMEOUT_S, is_member=self._is_trainer_member, upload_limit=upload_limit
+        )
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -151,13 +161,13 @@ class TrainingService:
         if config.algorithm == "zo":
             self._zo = ZoRounds(
                 self._host,
-                self._peers,
                 run_id=self._state.run_id,
                 identity_seed=self._identity_seed,
                 rounds=config.rounds,
                 updates_per_round=config.steps_per_round,
                 partners=self._partners,
-                is_member=lambda peer_id: peer_id in self._state.members,
+                # Our own batches always count (a stranger deleting our record must not stop us).
+                is_member=lambda peer_id: peer_id == self._host.peer_id or peer_id in self._state.members,
                 wait_s=config.pair_timeout_s,
                 checkpoint_dir=Path(self._checkpoint_path).parent if self._checkpoint_path else None,
                 gossip=self._run_service.push_zo if self._run_service else None,
@@ -165,6 +175,8 @@ class TrainingService:
             self._zo.register()
             if self._run_service is not None:
                 self._run_service.zo_hint = self._zo.sync.receive_hint
+                self._run_service.zo_evidence = self._zo.sync.receive_evidence
+                self._zo.sync.publish_evidence = self._run_service.push_zo_evidence
             self._supervisor = Supervisor(worker_config, self._zo_session, log_path=self._log_path)
             await self._train_zo(self._zo, self._supervisor)
             return
@@ -175,6 +187,7 @@ class TrainingService:
         """Runs until the node stops: after the last round the log is still followed."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(zo.pull_forever)
+            nursery.start_soon(zo.agree_forever)
             await supervisor.run()
             nursery.cancel_scope.cancel()
 
@@ -204,10 +217,11 @@ class TrainingService:
 
     async def _train(self, supervisor: Supervisor) -> None:
         channel = DataChannel(self._listen_ip)
+        inbox = self._diloco if self._config.algorithm == "diloco" else self._pairing
         receiver = TensorReceiver(
             self._host,
-            self._peers,
-            self._diloco.accept_payload if self._config.algorithm == "diloco" else self._pairing.accept_payload,
+            inbox.accept_payload,
+            authorize=inbox.authorize,
             max_payload_nbytes=MAX_PAYLOAD_NBYTES,
             timeout_s=SEND_TIMEOUT_S,
             channel=channel,
@@ -242,11 +256,41 @@ class TrainingService:
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,
             "finished": m.finished,
             "worker_starts": self._supervisor.num_starts,
+            "payloads_refused": m.payloads_refused,
+            "checkpoint_error": m.checkpoint_error,
             **(self._zo.status() if self._zo else {}),
         }
 
+    def _note_save(self, done: dict[str, Any]) -> None:
+        """A checkpoint the worker could not write (a full disk): said once per new error, shown
+        in status until a save succeeds again."""
+        error = done.get("save_error")
+        error = str(error)[:300] if error else None
+        if error and error != self.metrics.checkpoint_error:
+            logger.error("the worker could not save its checkpoint: %s; training goes on, it retries", error)
+        elif not error and self.metrics.checkpoint_error:
+            logger.info("checkpoints are saved again")
+        self.metrics.checkpoint_error = error
+
+    async def _judge_partner(self, done: dict[str, Any]) -> None:
+        """A partner whose payload the worker refused (non-finite, out of bounds) pays for it."""
+        rejected = done.get("rejected")
+        if self._partner is not None and isinstance(rejected, str):
+            logger.warning("round %s: refused %s's payload: %s", done.get("round"), self._partner, rejected)
+            self.metrics.payloads_refused += 1
+            # Honest partners stay far inside the bounds (training/noloco.py: measured ≤ 1.74
+            # and 3.7 against 8 and 16), and a NaN is never honest: no second chance.
+            await self._host.punish(self._partner, f"NoLoCo payload refused: {rejected[:200]}", points=BAN_POINTS)
+
     def _partners(self) -> list[str]:
-        return sorted(p for p, info in self._peers.live().items() if info.role == "trainer")
+        return sorted(
+            p for p, info in self._peers.live().items() if info.role == "trainer" and self._is_trainer_member(p)
+        )
+
+    def _is_trainer_member(self, peer_id: str) -> bool:
+        """A peer we train with: its member record (signed by it) says it trains in this run."""
+        record = self._state.members.get(peer_id)
+        return record is not None and record.role == "trainer" and not self._peers.is_banned(peer_id)
 
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
@@ -258,6 +302,7 @@ class TrainingService:
         del self.metrics.loss_curve[worker.start_round :]
         if worker.start_round >= self._config.rounds:
             return
+        self._diloco.payload_nbytes = worker.payload_nbytes
         outbox = worker.outbox.buf[: worker.payload_nbytes]
         inbox = worker.inbox.buf[: worker.payload_nbytes]
         try:
@@ -268,6 +313,8 @@ class TrainingService:
                 elif message["t"] == "accumulated":
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
+                    await self._judge_partner(message)
+                    self._note_save(message)
                     self.metrics.rounds += 1
                     self.metrics.train_wall_s = trio.current_time() - self._first_ready
                     self.metrics.rounds_with_partner += int(message.get("used_peer") is True)
@@ -296,8 +343,9 @@ class TrainingService:
             self.metrics.sync_wait_s += trio.current_time() - started
             return
         partner = None
+        self._partner = None
         if self._config.algorithm == "noloco":
-            partner = await self._pairing.find_partner(
+            partner = self._partner = await self._pairing.find_partner(
                 round_index, outbox, inbox, self._partners(), timeout_s=self._config.pair_timeout_s
             )
         self.metrics.sync_wait_s += trio.current_time() - started
@@ -321,5 +369,8 @@ class TrainingService:
             reply = await worker.receive()
             if reply["t"] != "accumulated":
                 raise WorkerGone(f"expected 'accumulated', got {reply['t']!r}")
+            if reply.get("ok") is not True:
+                reason = str(reply.get("reason"))[:200]
+                await self._host.punish(peer_id, f"DiLoCo payload refused: {reason}", points=BAN_POINTS)
         logger.info("round %d: DiLoCo over %d nodes", round_index, len(payloads) + 1)
         await worker.send("outer_go", round=round_index, key=self._host.peer_id)

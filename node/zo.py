@@ -18,7 +18,9 @@ newest round it finds, so it ends bit-identical to the others.
 import contextlib
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,6 @@ from node.supervisor import WorkerConnection, WorkerGone
 from protocol import zockpt, zolog, zosync
 from protocol.errors import ProtocolError
 from protocol.host import Host
-from protocol.peers import PeerTable
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,31 @@ PULL_INTERVAL_S = 0.25
 # Every this many rounds the worker saves its weights as a checkpoint peers can fetch.
 CHECKPOINT_EVERY = 4
 MAX_CHECKPOINT_NBYTES = 8 << 30
-# One round's updates go to the worker in one message (training/worker.py takes 20,000).
-MAX_UPDATES_PER_ROUND = 20_000
+# How often our latest checkpoint's weights are compared with the peers' (a head request
+# each: a few hundred bytes), and how many peers must agree against us before we yield.
+AGREE_INTERVAL_S = 2.0
+MIN_MAJORITY = 2
+# A round's updates go to the worker in messages of at most this many (training/worker.py
+# takes 20,000 a message: 1 MiB frames), the last with more = False.
+MAX_UPDATES_PER_MESSAGE = 20_000
+
+
+def outvoted(ours: str, heads: dict[str, str]) -> tuple[str, list[str]] | None:
+    """(the majority's hash, the peers holding it) if at least MIN_MAJORITY peers agree on
+    other weights than ours and outnumber those that hold ours (us included); else None."""
+    counts = Counter(heads.values())
+    if not counts:
+        return None
+    top, count = counts.most_common(1)[0]
+    if top == ours or count < MIN_MAJORITY or count <= 1 + counts.get(ours, 0):
+        return None
+    return top, sorted(p for p, h in heads.items() if h == top)
 
 
 class ZoRounds:
     def __init__(
         self,
         host: Host,
-        peers: PeerTable,
         *,
         run_id: str,
         identity_seed: bytes,
@@ -64,9 +81,17 @@ class ZoRounds:
         self._partners = partners
         self._wait_s = wait_s
         self.round = 0
-        self.log = zolog.UpdateLog(run_id, is_member=is_member)
-        self.sync = zosync.ZoLogSync(host, peers, self.log, current_round=lambda: self.round)
-        self._applied: list[zolog.Entry] = []
+        self.log = zolog.UpdateLog(run_id, is_member=is_member, rounds=rounds, max_per_round=updates_per_round)
+        self.sync = zosync.ZoLogSync(host, self.log, current_round=lambda: self.round)
+        self._applied: list[tuple[zolog.Entry, int]] = []
+        """What the worker holds: genesis plus these (entry, applied g code), in canonical order."""
+        self.clipped = 0
+        self.silenced = 0
+        self.recoveries = 0
+        self._silenced_authors: set[str] = set()
+        self._recovered_rounds: set[int] = set()
+        self._outvoted: tuple[int, str, list[str]] | None = None
+        """(round, the majority's weights hash, peers holding it), once agree_forever found us outvoted."""
         self._own_seq = 0
         self.bytes_published = 0
         self.rebuilds = 0
@@ -77,7 +102,7 @@ class ZoRounds:
         """The round of the checkpoint we started from (fetched from a peer), if any."""
         self._checkpoint_dir = checkpoint_dir
         self._gossip = gossip
-        self.checkpoints = zockpt.ZoCheckpoints(host, peers, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
+        self.checkpoints = zockpt.ZoCheckpoints(host, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
         self._saved: list[Path] = []
         self._hashed_entries = 0
 
@@ -97,11 +122,18 @@ class ZoRounds:
             "param_hash": self.param_hash,
             "bytes_per_update": round(self.bytes_published / published, 2) if published else None,
             "log_entries": sum(self.log.vector().values()),
+            # Entries held per author's chain (bench/soak.py compares them across nodes).
+            "log_vector": self.log.vector(),
             # Entries behind the reported param_hash (not merely sent to the worker).
             "log_entries_applied": self._hashed_entries,
             "entries_by_gossip": self.sync.entries_by_gossip,
             "entries_by_pull": self.sync.entries_by_pull,
             "rebuilds": self.rebuilds,
+            "g_clipped": self.clipped,
+            "g_silenced": self.silenced,
+            "authors_excluded": sorted(self.log.excluded),
+            "authors_silenced": sorted(self._silenced_authors),
+            "recoveries": self.recoveries,
             "start_round": self.start_round,
             "checkpoint_round": self.checkpoint_round,
         }
@@ -123,10 +155,12 @@ class ZoRounds:
         self._own_seq = max(self._own_seq, self.log.next_seq(self._host.peer_id))
         if self.log.max_round() >= CHECKPOINT_EVERY and self._checkpoint_dir is not None:
             await self._start_from_checkpoint(worker)
-        self.start_round = self.round = max(self.round, self.log.max_round() + 1 if self.log.max_round() >= 0 else 0)
+        # Where the run is, robustly (not the largest round anyone claims: zolog.agreed_round).
+        self.start_round = self.round = max(self.round, self.log.agreed_round())
         for round_index in range(self.round, self._rounds):
             self.round = round_index
             await self._wait_for_round(round_index - 1)
+            await self._recover_if_outvoted(worker)
             await self._send_updates(worker, below_round=round_index)
             if round_index > 0 and round_index % CHECKPOINT_EVERY == 0:
                 await self._save_checkpoint(worker, round_index)
@@ -144,7 +178,7 @@ class ZoRounds:
             batch = zolog.sign_batch(
                 self._identity_seed, self._run_id, self._own_seq, [round_index] * len(codes), bytes(codes)
             )
-            self.sync.add(batch)
+            await self.sync.add(batch)
             self._own_seq += len(codes)
             raw = batch.encode()
             self.bytes_published += len(raw)
@@ -158,11 +192,72 @@ class ZoRounds:
         on_finished()
         while True:
             changed = self.sync.changed
-            if list(self.log.ordered(below_round=self._rounds)) != self._applied:
+            recovered = await self._recover_if_outvoted(worker)
+            if recovered or list(self.log.ordered(below_round=self._rounds)) != [e for e, _ in self._applied]:
                 await self._finish(worker)
                 on_step({"round": self._rounds, "val_loss": self.final_val_loss, "final": True})
             else:
                 await changed.wait()
+
+    async def agree_forever(self) -> None:
+        """The param-hash agreement: every AGREE_INTERVAL_S, compare our latest checkpoint's
+        weights with what live trainers hold for the same round and log; outvoted, we
+        recover from one of the majority at the next round boundary (``_recover_if_outvoted``)."""
+        while True:
+            await trio.sleep(AGREE_INTERVAL_S)
+            offer = self.checkpoints.offer
+            if offer is None or self._outvoted is not None or offer.round in self._recovered_rounds:
+                continue  # once per checkpoint round: a second verdict there would only loop
+            heads: dict[str, str] = {}
+            for peer_id in self._partners():
+                try:
+                    head = await self.checkpoints.head(peer_id)
+                except ProtocolError as exc:
+                    logger.debug("no checkpoint head from %s: %s", peer_id, exc)
+                    continue
+                if head is not None and head.round == offer.round and head.vector == offer.vector:
+                    heads[peer_id] = head.param_hash
+            verdict = outvoted(offer.param_hash, heads)
+            if verdict is not None:
+                logger.error(
+                    "zo: our weights at round %d (%s) differ from %d peers' (%s) on the same log: recovering",
+                    offer.round,
+                    offer.param_hash[:16],
+                    len(verdict[1]),
+                    verdict[0][:16],
+                )
+                self._outvoted = (offer.round, *verdict)
+                self.sync.wake()
+
+    async def _recover_if_outvoted(self, worker: WorkerConnection) -> bool:
+        """Take a majority peer's checkpoint when ``agree_forever`` found us outvoted."""
+        if self._outvoted is None or self._checkpoint_dir is None:
+            return False
+        round_index, param_hash, peers = self._outvoted
+        self._outvoted = None
+        self._recovered_rounds.add(round_index)
+        dest = self._checkpoint_dir / f"{self._run_id}.zo-recovered.ckpt"
+        for peer_id in peers:
+            try:
+                offer = await self.checkpoints.fetch(peer_id, dest)
+            except ProtocolError as exc:
+                logger.info("recovery checkpoint from %s: %s", peer_id, exc)
+                continue
+            if offer is None or offer.round != round_index or offer.param_hash != param_hash:
+                continue
+            await worker.send("zo_load", path=str(dest), param_hash=param_hash)
+            reply = await worker.receive()
+            if reply["t"] != "zo_loaded":
+                raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
+            if reply.get("ok") is True:
+                below = list(self.log.ordered(below_round=round_index))
+                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
+                self.checkpoints.offer = replace(offer, path=dest)  # we hold what the majority holds now
+                self.recoveries += 1
+                logger.warning("zo: recovered the majority's weights at round %d from %s", round_index, peer_id)
+                return True
+        logger.error("zo: outvoted, but no majority peer's checkpoint could be taken; carrying on")
+        return False
 
     async def _finish(self, worker: WorkerConnection) -> None:
         await self._send_updates(worker, below_round=self._rounds)
@@ -180,13 +275,19 @@ class ZoRounds:
         if self._checkpoint_dir is None:
             return
         path = self._checkpoint_dir / f"{self._run_id}.zo-{round_index}.ckpt"
+        # What the worker holds, exactly: entries may reach the log while it saves, and a
+        # vector counting those would describe other weights than the file's.
+        vector = dict(Counter(entry.peer_id for entry, _ in self._applied if entry.round < round_index))
         await worker.send("zo_save", path=str(path), round=round_index)
         reply = await worker.receive()
         if reply["t"] != "zo_saved":
             raise WorkerGone(f"expected zo_saved, got {reply['t']!r}")
+        if reply.get("save_error"):
+            logger.error("zo: no checkpoint at round %d: %s", round_index, str(reply["save_error"])[:300])
+            return  # peers keep fetching our previous one, if any
         nbytes = (await trio.Path(path).stat()).st_size
-        vector = self.log.count_below(round_index)
-        self.checkpoints.offer = zockpt.Offer(round_index, vector, str(reply.get("param_hash")), path, nbytes)
+        sha256 = await zockpt.file_sha256(path)
+        self.checkpoints.offer = zockpt.Offer(round_index, vector, str(reply.get("param_hash")), path, nbytes, sha256)
         self._saved.append(path)
         while len(self._saved) > 2:  # one being served may still be open: keep the previous one
             with contextlib.suppress(FileNotFoundError):
@@ -214,7 +315,8 @@ class ZoRounds:
             if reply["t"] != "zo_loaded":
                 raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
             if reply.get("ok") is True:
-                self._applied = list(self.log.ordered(below_round=offer.round))
+                below = list(self.log.ordered(below_round=offer.round))
+                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
                 self.checkpoint_round = offer.round
                 logger.info("zo: started from %s's checkpoint at round %d", peer_id, offer.round)
                 return
@@ -249,22 +351,37 @@ class ZoRounds:
 
         The arithmetic groups by round (kernels/zo_apply.py sums one round's updates, then
         subtracts once), so a worker only ever applies whole rounds, one message each; if
-        what it holds is not a prefix of whole rounds of the log, it starts over.
+        what it holds is not a prefix of whole rounds of the log (an entry arrived late, an
+        author was excluded, a late entry changed the robust scale of later rounds), it
+        starts over from the genesis weights. Codes are the robust ones (zolog.robust_codes):
+        a function of the log alone, so every node applies the same.
         """
         canonical = list(self.log.ordered(below_round=below_round))
+        robust = zolog.robust_codes(canonical)
+        self.clipped, self.silenced = robust.clipped, robust.silenced
+        for author in robust.silenced_authors - self._silenced_authors:
+            # Counted zero on every node alike; not banned: g are spread wide, and only a
+            # rule a signed batch breaks (zolog.Forbidden) is proof of an attack.
+            self._silenced_authors.add(author)
+            logger.warning("zo: %s's g sit far above the run's scale: its updates count zero", author)
+        target = list(zip(canonical, robust.codes, strict=True))
         held = len(self._applied)
-        whole = held == len(canonical) or held == 0 or canonical[held].round > self._applied[-1].round
-        rebuild = canonical[:held] != self._applied or not whole
-        todo = canonical if rebuild else canonical[held:]
+        # The log can also shrink (an author excluded for equivocation drops its whole chain):
+        # then what we hold is no prefix and the worker starts over.
+        whole = held == 0 or held >= len(target) or target[held][0].round > self._applied[-1][0].round
+        rebuild = target[:held] != self._applied or not whole
+        todo = target if rebuild else target[held:]
         if rebuild:
             self.rebuilds += 1
-            logger.info("zo: an entry arrived late; replaying %d entries from the genesis weights", len(todo))
+            logger.info("zo: the log changed below what we applied; replaying %d entries from genesis", len(todo))
             if not todo:
                 await worker.send("zo_apply", rebuild=True, updates=[])
-        for i, (_, group) in enumerate(itertools.groupby(todo, key=lambda e: e.round)):
-            entries = list(group)
-            if len(entries) > MAX_UPDATES_PER_ROUND:
-                raise WorkerGone(f"a round of {len(entries)} updates is more than the worker takes at once")
-            updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), e.g_code] for e in entries]
-            await worker.send("zo_apply", rebuild=rebuild and i == 0, updates=updates)
-        self._applied = canonical
+        for i, (_, group) in enumerate(itertools.groupby(todo, key=lambda pair: pair[0].round)):
+            updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), code] for e, code in group if code]
+            # One round is one summed group, however many messages carry it (the worker
+            # applies once the last part came): a round of many members never overflows.
+            parts = [updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)]
+            for k, part in enumerate(parts or [[]]):
+                more = k < len(parts) - 1
+                await worker.send("zo_apply", rebuild=rebuild and i == 0 and k == 0, updates=part, more=more)
+        self._applied = target

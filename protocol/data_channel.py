@@ -43,6 +43,7 @@ CHUNK_NBYTES = 1 << 20
 @dataclass(slots=True)
 class _Pending:
     buffer: memoryview
+    peer_id: str
     done: trio.Event = field(default_factory=trio.Event)
     error: str | None = None
 
@@ -61,12 +62,18 @@ class DataChannel:
         task_status.started()
         await trio.serve_listeners(self._handle, listeners)
 
-    def expect(self, buffer: memoryview) -> bytes:
-        """Register a transfer into ``buffer``; returns the token its sender must present."""
+    def expect(self, buffer: memoryview, peer_id: str) -> bytes:
+        """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present.
+
+        Only authorized transfers get here (protocol/exchange.py), one per peer at a time, so
+        a stranger cannot take the slots an expected partner needs.
+        """
+        if any(p.peer_id == peer_id for p in self._pending.values()):
+            raise BadMessage(f"{peer_id} already has a transfer pending")
         if len(self._pending) >= MAX_PENDING:
-            raise BadMessage(f"{MAX_PENDING} transfers already pending")
+            raise ProtocolError(f"{MAX_PENDING} transfers already pending")
         token = secrets.token_bytes(TOKEN_NBYTES)
-        self._pending[token] = _Pending(buffer)
+        self._pending[token] = _Pending(buffer, peer_id)
         return token
 
     async def wait(self, token: bytes) -> None:

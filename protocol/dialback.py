@@ -51,7 +51,7 @@ class DialbackServer:
         self._last_asked: dict[str, float] = {}
 
     def register(self) -> None:
-        self._host.set_handler(PROTOCOL_ID, self._serve)
+        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
 
     async def _serve(self, stream: "Stream") -> None:
         request = await wire.receive(

@@ -28,4 +28,10 @@ class BadMessage(ProtocolError):
 
 
 class UnsupportedVersion(BadMessage):
-    """A peer speaks a message version we do not."""
+    """A peer speaks a message version we do not: refused with one clear answer naming both
+    versions, never penalized (an old or newer release is not an attack)."""
+
+    def __init__(self, message: str, *, theirs: int | None = None, ours: int | None = None) -> None:
+        super().__init__(message)
+        self.theirs = theirs
+        self.ours = ours

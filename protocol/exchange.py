@@ -37,7 +37,6 @@ from protocol import data_channel, wire
 from protocol.data_channel import DataChannel
 from protocol.errors import BadMessage, ProtocolError, StreamError
 from protocol.host import Host, Stream
-from protocol.peers import PeerTable
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -88,6 +87,11 @@ class Payload:
             out[spec.name] = view[offset : offset + spec.nbytes]
             offset += spec.nbytes
         return out
+
+
+class Unexpected(ProtocolError):
+    """A well-formed transfer we did not ask for (another round, not our partner now):
+    refused before any allocation, without a penalty (an honest peer may be a moment late)."""
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -190,6 +194,18 @@ Accept = Callable[[str, Payload], Awaitable[None]]
 buffer is lent for the duration of the call (it is reused for a later transfer): copy what
 you keep."""
 
+Authorize = Callable[[str, int, int], str | None]
+"""Called with (peer id, round, nbytes) once a header parsed, before anything is allocated:
+None if we expect exactly this transfer from this peer now, else why not. A stranger's
+header therefore costs us a few KiB, never the payload's size."""
+
+
+def any_transfer(peer_id: str, round_index: int, nbytes: int) -> str | None:
+    """An ``Authorize`` that expects everything within the size limit: for tests and benches
+    between our own processes, never for a node on the network."""
+    return None
+
+
 # Free buffers kept per size: one payload per round from each of a few partners.
 MAX_FREE_PER_SIZE = 4
 
@@ -203,10 +219,15 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[bytearray]] = {}
+        self.allocated_nbytes = 0
+        """Bytes of every buffer this pool ever allocated (not reused)."""
 
     def take(self, nbytes: int) -> bytearray:
         free = self._free.get(nbytes)
-        return free.pop() if free else bytearray(nbytes)
+        if free:
+            return free.pop()
+        self.allocated_nbytes += nbytes
+        return bytearray(nbytes)
 
     def give(self, buffer: bytearray) -> None:
         free = self._free.setdefault(len(buffer), [])
@@ -236,43 +257,51 @@ class TensorReceiver:
     def __init__(
         self,
         host: Host,
-        peers: PeerTable,
         accept: Accept,
         *,
+        authorize: Authorize,
         max_payload_nbytes: int,
         timeout_s: float,
         channel: DataChannel | None = None,
     ) -> None:
         self._host = host
-        self._peers = peers
         self._accept = accept
+        self._authorize = authorize
+        self._receiving: set[str] = set()
+        """Peers with a transfer under way: one at a time each."""
         self._max_payload_nbytes = max_payload_nbytes
         self._timeout_s = timeout_s
         self._channel = channel
-        self._pool = BufferPool()
+        self.pool = BufferPool()
         self.num_refused = 0
         self.num_direct = 0
 
     def register(self) -> None:
-        self._host.set_handler(PROTOCOL_ID, self._serve)
+        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=2 * self._timeout_s)
 
     async def _serve(self, stream: Stream) -> None:
-        if self._peers.is_banned(stream.peer_id):
-            await stream.reset()
-            return
         refusal = self._host.tensor_refusal(stream.peer_id)
         if refusal is not None:
             self.num_refused += 1
             await wire.send(stream, "ack", VERSION, {"ok": False, "reason": refusal})
             return
-        lease = _Lease(self._pool)
+        if stream.peer_id in self._receiving:
+            self.num_refused += 1
+            await wire.send(stream, "ack", VERSION, {"ok": False, "reason": "a transfer from you is under way"})
+            return
+        self._receiving.add(stream.peer_id)
+        lease = _Lease(self.pool)
         try:
             with trio.move_on_after(self._timeout_s) as scope:
                 try:
                     payload = await self._receive(stream, lease)
+                except Unexpected as exc:
+                    self.num_refused += 1
+                    await wire.send(stream, "ack", VERSION, {"ok": False, "reason": str(exc)[:200]})
+                    return
                 except BadMessage as exc:
                     self.num_refused += 1
-                    self._peers.penalize(stream.peer_id, f"tensors: {exc}")
+                    await self._host.punish(stream.peer_id, f"tensors: {exc}")
                     await wire.send(stream, "ack", VERSION, {"ok": False, "reason": str(exc)[:200]})
                     return
                 await wire.send(stream, "ack", VERSION, {"ok": True, "reason": ""})
@@ -280,6 +309,7 @@ class TensorReceiver:
                 raise StreamError(f"tensors from {stream.peer_id} took longer than {self._timeout_s:g} s")
             await self._accept(stream.peer_id, payload)
         finally:
+            self._receiving.discard(stream.peer_id)
             lease.release()
 
     async def _receive(self, stream: Stream, lease: "_Lease") -> Payload:
@@ -295,11 +325,14 @@ class TensorReceiver:
         channel = wire.get_str(header, "channel", max_len=8)
         if channel not in ("direct", "stream"):
             raise BadMessage(f"unknown channel {channel!r}")
+        refusal = self._authorize(stream.peer_id, round_index, nbytes)
+        if refusal is not None:
+            raise Unexpected(f"not expecting {nbytes} bytes for round {round_index} from you: {refusal}")
         buffer = lease.take(nbytes)
         view = memoryview(buffer)
         # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
         if channel == "direct" and self._channel is not None and self._host.nat.status.reachability != "private":
-            token = self._channel.expect(view)
+            token = self._channel.expect(view, stream.peer_id)
             try:
                 await wire.send(stream, "go", VERSION, {"port": self._channel.port, "token": token})
                 await self._channel.wait(token)

@@ -10,6 +10,9 @@ Protocol flow (topic ``/swarmtrain/run/<run id>/1``), every message signed by li
     {t: "bye",    v: 1}                 a clean shutdown: stop counting me as live now.
     {t: "zo",     v: 1, batch}          a new signed batch of zeroth-order updates
                                         (protocol/zolog.py); pulls repair what is lost.
+    {t: "zoequiv", v: 1, a, b}          two signed batches of one author that contradict
+                                        each other: the evidence that excludes it
+                                        (protocol/zosync.py); pulls carry it too.
 
 GossipSub drops messages under bursts and never delivers over 1 MiB, so nothing here is
 relied on: a lost heartbeat is covered by the TTL, a lost update by anti-entropy pulls.
@@ -26,7 +29,7 @@ VERSION = 1
 MAX_PUSH_NBYTES = 64 << 10
 MAX_MESSAGE_NBYTES = MAX_PUSH_NBYTES + 1024
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{16}")
-_TYPES = frozenset({"hb", "update", "bye", "zo"})
+_TYPES = frozenset({"hb", "update", "bye", "zo", "zoequiv"})
 
 
 def topic(run_id: str) -> str:
@@ -54,7 +57,13 @@ class ZoBatch:
     batch: bytes
 
 
-GossipPayload = Heartbeat | Update | Bye | ZoBatch
+@dataclass(frozen=True, slots=True)
+class ZoEvidence:
+    first: bytes
+    second: bytes
+
+
+GossipPayload = Heartbeat | Update | Bye | ZoBatch | ZoEvidence
 
 
 def encode(payload: GossipPayload) -> bytes:
@@ -71,6 +80,10 @@ def encode(payload: GossipPayload) -> bytes:
             if len(batch) > MAX_PUSH_NBYTES:
                 raise ValueError(f"batch of {len(batch)} bytes is too large to gossip")
             return wire.encode("zo", VERSION, {"batch": batch})
+        case ZoEvidence(first=first, second=second):
+            if len(first) + len(second) > MAX_PUSH_NBYTES:
+                raise ValueError("evidence too large to gossip")
+            return wire.encode("zoequiv", VERSION, {"a": first, "b": second})
     raise AssertionError(payload)
 
 
@@ -87,4 +100,9 @@ def decode(data: bytes) -> GossipPayload:
         return Update(update=wire.get_bytes(msg, "update", max_nbytes=MAX_PUSH_NBYTES))
     if msg["t"] == "zo":
         return ZoBatch(batch=wire.get_bytes(msg, "batch", max_nbytes=MAX_PUSH_NBYTES))
+    if msg["t"] == "zoequiv":
+        return ZoEvidence(
+            first=wire.get_bytes(msg, "a", max_nbytes=MAX_PUSH_NBYTES),
+            second=wire.get_bytes(msg, "b", max_nbytes=MAX_PUSH_NBYTES),
+        )
     return Bye()

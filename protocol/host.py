@@ -10,13 +10,17 @@ Choices, each measured or learned in ../shared/probes:
 - GossipSub queues are widened before pubsub objects exist (32-deep queues drop silently),
   its heartbeat is 1 s (default 120 s) and its spam protection is off (it drops >10 msg/s);
   gossip stays a hint in this project anyway, and the truth is pulled over streams.
-- The DHT uses our own protocol prefix so we never join the IPFS DHT by accident.
+- The DHT speaks ``/swarmtrain/kad/1.0.0`` so we never join the IPFS DHT by accident
+  (py-libp2p ignores ``protocol_prefix``: protocol/libp2p_fixes.py sets the id).
+- Where py-libp2p lets one peer's bytes end the host (an unguarded stream handler, pubsub's
+  message task, multiselect's decoding), protocol/libp2p_fixes.py closes the hole; every
+  inbound stream runs in our guard (protocol/guard.py), and bans close connections.
 - ``close()`` runs before leaving ``host.run()``; otherwise sockets and tasks leak.
 """
 
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -49,8 +53,14 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.conns import parse_peer_id, remote_ipv4, socket_stream_of
 from protocol.dialback import DialbackServer
-from protocol.errors import DialError, ProtocolError, StreamError
+from protocol.errors import BadMessage, DialError, ProtocolError, StreamError
+from protocol.guard import Guard
+from protocol.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
+from protocol.hostlike import PeerAddrs as PeerAddrs
+from protocol.hostlike import serve_guarded
+from protocol.libp2p_fixes import guard_host
 from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
+from protocol.peers import PeerTable
 from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -70,22 +80,20 @@ DHT_QUERY_PARALLELISM = 3
 DHT_QUERY_TIMEOUT_S = 5.0
 # Closing waits for libp2p's services and connections; it takes milliseconds on loopback.
 HOST_CLOSE_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class PeerAddrs:
-    """A peer and the addresses it can be dialed on (multiaddr strings without /p2p)."""
-
-    peer_id: str
-    addrs: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class GossipMessage:
-    """A message received on a gossip topic; ``from_peer`` is verified by libp2p's signing."""
-
-    from_peer: str
-    data: bytes
+# An inbound stream's handler ends within this unless its protocol sets its own bound:
+# our control exchanges take milliseconds, and a peer that stalls must not hold a task.
+HANDLER_DEADLINE_S = 30.0
+# Reads up to this size are allocated at once; larger ones grow chunk by chunk as bytes
+# arrive, counted in the host's FrameBudget (a stalled sender holds only what it sent).
+SMALL_READ_NBYTES = 64 << 10
+READ_CHUNK_NBYTES = 256 << 10
+# What unfinished incoming messages may hold: 16 MiB from one peer (a whole run document
+# fits), 64 MiB from everyone. Bulk tensor payloads are not messages: they land in buffers
+# allocated only for an authorized transfer (protocol/exchange.py).
+FRAME_BUDGET_PER_PEER_NBYTES = 20 << 20
+FRAME_BUDGET_TOTAL_NBYTES = 64 << 20
+# Liveness bound of a host opened without the daemon's peer table (tests, tools).
+DEFAULT_PEER_TTL_S = 30.0
 
 
 StreamHandler = Callable[["Stream"], Awaitable[None]]
@@ -157,17 +165,67 @@ def _local_ipv4_addrs() -> list[str]:
     return sorted(ips, key=lambda ip: (ip.startswith("127."), ip))
 
 
+class FrameBudget:
+    """Bytes of messages still arriving, per peer and in all: what stalled senders may hold.
+
+    A frame's length is checked against its protocol's limit before anything is read, and
+    memory is taken only as its bytes arrive; but a peer that starts many large frames and
+    never finishes them would still pin it all. So the bytes of unfinished frames are
+    counted, and a read that would pass a bound fails (``BadMessage``) instead of waiting.
+    """
+
+    def __init__(self, *, total_nbytes: int, per_peer_nbytes: int) -> None:
+        self.total_nbytes = total_nbytes
+        self.per_peer_nbytes = per_peer_nbytes
+        self.used_nbytes = 0
+        self._by_peer: dict[str, int] = {}
+
+    def take(self, peer_id: str, nbytes: int) -> None:
+        held = self._by_peer.get(peer_id, 0)
+        if held + nbytes > self.per_peer_nbytes or self.used_nbytes + nbytes > self.total_nbytes:
+            raise BadMessage(
+                f"{peer_id} already has {held} bytes of unfinished messages here"
+                f" ({self.used_nbytes} from everyone): refusing more"
+            )
+        self._by_peer[peer_id] = held + nbytes
+        self.used_nbytes += nbytes
+
+    def give(self, peer_id: str, nbytes: int) -> None:
+        held = self._by_peer.get(peer_id, 0) - nbytes
+        if held > 0:
+            self._by_peer[peer_id] = held
+        else:
+            self._by_peer.pop(peer_id, None)
+        self.used_nbytes -= nbytes
+
+
 class Stream:
     """One libp2p stream with exact reads; every failure is a ``StreamError``."""
 
-    def __init__(self, raw: INetStream) -> None:
+    def __init__(self, raw: INetStream, budget: FrameBudget | None = None) -> None:
         self._raw = raw
         self.peer_id: str = raw.muxed_conn.peer_id.to_base58()
+        self._budget = budget or FrameBudget(total_nbytes=1 << 62, per_peer_nbytes=1 << 62)
 
     async def read_exact(self, nbytes: int) -> bytes:
-        buffer = bytearray(nbytes)
-        await self.read_into(memoryview(buffer), chunk_nbytes=nbytes)
-        return bytes(buffer)
+        """Exactly ``nbytes``; memory grows with what arrived, within the frame budget."""
+        if nbytes <= SMALL_READ_NBYTES:
+            buffer = bytearray(nbytes)
+            await self.read_into(memoryview(buffer), chunk_nbytes=nbytes)
+            return bytes(buffer)
+        chunks: list[bytes] = []
+        held = 0
+        try:
+            while held < nbytes:
+                size = min(READ_CHUNK_NBYTES, nbytes - held)
+                self._budget.take(self.peer_id, size)
+                held += size
+                chunk = bytearray(size)
+                await self.read_into(memoryview(chunk), chunk_nbytes=size)
+                chunks.append(bytes(chunk))
+            return b"".join(chunks)
+        finally:
+            self._budget.give(self.peer_id, held)
 
     async def read_into(self, buffer: memoryview, *, chunk_nbytes: int) -> None:
         """Fill ``buffer`` exactly (bulk payloads land in memory allocated once)."""
@@ -206,7 +264,7 @@ class Stream:
 class Host:
     """A running libp2p host with its DHT and GossipSub; create it with ``open_host``."""
 
-    def __init__(self, raw: "_RawParts") -> None:
+    def __init__(self, raw: "_RawParts", guard: Guard) -> None:
         self._host = raw.host
         self._dht = raw.dht
         self._pubsub = raw.pubsub
@@ -214,6 +272,23 @@ class Host:
         self.peer_id: str = raw.host.get_id().to_base58()
         self.relayed_tensor_limit: RateLimit | None = None
         """Tensors over relayed connections: None never (the default), else at this cap."""
+        self.frame_budget = FrameBudget(
+            total_nbytes=FRAME_BUDGET_TOTAL_NBYTES, per_peer_nbytes=FRAME_BUDGET_PER_PEER_NBYTES
+        )
+        self.guard = guard
+        """The boundary rule (protocol/guard.py): handlers run in it, misbehaviour is judged there."""
+        guard.on_ban = self._on_ban
+
+    @property
+    def peers(self) -> PeerTable:
+        return self.guard.peers
+
+    async def punish(self, peer_id: str, reason: str, *, points: int = 1) -> bool:
+        """Penalize ``peer_id``'s bad input; at the threshold it is banned and cut off."""
+        return await self.guard.punish(peer_id, reason, points=points)
+
+    async def _on_ban(self, peer_id: str) -> None:
+        await self.disconnect(peer_id)
 
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
@@ -329,33 +404,21 @@ class Host:
                 raw = await self._host.new_stream(parse_peer_id(peer_id), [TProtocol(protocol_id)])
             except (BaseLibp2pError, OSError) as exc:
                 raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}") from exc
-            return Stream(raw)
+            return Stream(raw, self.frame_budget)
         assert scope.cancelled_caught
         raise StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
 
-    def set_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+    def set_handler(self, protocol_id: str, handler: StreamHandler, *, deadline_s: float = HANDLER_DEADLINE_S) -> None:
         """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.
 
-        Protocol errors are logged by the handler; anything else escaping it is a bug of
-        ours, logged with its traceback, and the stream is reset: a peer never brings the
-        daemon down.
+        The boundary rule (protocol/guard.py): a banned peer's stream is reset unread; the
+        handler runs under a deadline; whatever escapes it (a refusal, a bug, a panic of a
+        native library) resets the stream and is judged, and the daemon goes on.
         """
 
         async def serve(raw: INetStream) -> None:
-            stream = Stream(raw)
-            try:
-                await handler(stream)
-            except ProtocolError as exc:
-                logger.info("%s from %s: %s", protocol_id, stream.peer_id, exc)
-                await stream.reset()
-            except trio.TooSlowError:
-                logger.info("%s from %s: the peer was too slow", protocol_id, stream.peer_id)
-                await stream.reset()
-            except Exception:
-                logger.exception("handler for %s from %s failed", protocol_id, stream.peer_id)
-                await stream.reset()
-            else:
-                await stream.close()
+            stream = Stream(raw, self.frame_budget)
+            await serve_guarded(self.guard, protocol_id, stream, handler, deadline_s=deadline_s)
 
         self._host.set_stream_handler(TProtocol(protocol_id), serve)
 
@@ -418,7 +481,7 @@ class Host:
         except (BaseLibp2pError, OSError, ValueError) as exc:
             raise ProtocolError(f"publish on {topic} failed: {exc}") from exc
 
-    async def subscribe(self, topic: str) -> AsyncIterator[GossipMessage]:
+    async def subscribe(self, topic: str) -> AsyncGenerator[GossipMessage, None]:
         """Messages on ``topic`` from others (our own are skipped)."""
         subscription = await self._pubsub.subscribe(topic)
         me = self._host.get_id()
@@ -482,12 +545,14 @@ async def open_host(
     relay: NatPolicy | None = None,
     preferred_peers: list[str] | None = None,
     relayed_tensors_mbps: float = 0.0,
+    peers: PeerTable | None = None,
 ) -> AsyncIterator[Host]:
     """Start a host listening on ``listen_addrs`` with its DHT (server mode), GossipSub and
     NAT traversal (protocol/nat.py: reachability checks, relay, hole punching).
 
     ``preferred_peers``: asked first for dial-backs and relay slots (the bootstrap peers).
     ``relayed_tensors_mbps``: > 0 lets tensors cross relays at that cap (``Host.tensor_refusal``).
+    ``peers``: where penalties and bans are kept (the daemon's table; a fresh one if None).
     """
     for addr in listen_addrs:
         ensure_port_free(addr)
@@ -523,7 +588,9 @@ async def open_host(
     # our protocols once, when we connect).
     nat = Nat(raw_host, relay or NatPolicy())
     nat.prefer(preferred_peers or [])
-    host = Host(_RawParts(raw_host, dht, pubsub, nat))
+    guard = Guard(peers or PeerTable(ttl_s=DEFAULT_PEER_TTL_S))
+    guard_host(raw_host, pubsub, guard)
+    host = Host(_RawParts(raw_host, dht, pubsub, nat), guard)
     if relayed_tensors_mbps > 0:
         host.relayed_tensor_limit = RateLimit.from_mbps(relayed_tensors_mbps)
     DialbackServer(host).register()

@@ -5,18 +5,23 @@ Protocol flow (``/swarmtrain/info/1.0.0``), one exchange per stream:
     asker                                   answerer
     {t: "info?", v: 1}       ──────────────▶
                              ◀────────────── {t: "info", v: 1, peer_id, role, runs: [run id],
-                                              agent}
+                                              agent, versions: {name: version}}
     both close
+
+``versions`` names what must match between peers of one run (the run document's format,
+the sync protocol's version, ...): a joiner compares them first and refuses with one line
+naming both sides' versions, instead of syncing documents it would then refuse. A peer of
+an earlier release sends no ``versions``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, Stream
-from protocol.state import RUN_ID_PATTERN
+from protocol.state import FORMAT_VERSION, RUN_ID_PATTERN
 
 PROTOCOL_ID = "/swarmtrain/info/1.0.0"
 VERSION = 1
@@ -26,19 +31,52 @@ MAX_RUNS = 16
 TIMEOUT_S = 10.0
 
 
+MAX_VERSIONS = 32
+
+
+def our_versions() -> dict[str, int]:
+    """The formats and protocol versions peers of one run must share."""
+    from protocol import exchange, pairing, sync, zockpt, zolog, zosync
+
+    return {
+        "run-document": FORMAT_VERSION,
+        "state-sync": sync.VERSION,
+        "exchange": exchange.VERSION,
+        "pairing": pairing.VERSION,
+        "zo-log": zolog.VERSION,
+        "zo-log-sync": zosync.VERSION,
+        "zo-checkpoint": zockpt.VERSION,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     peer_id: str
     role: str
     runs: tuple[str, ...]
     agent: str
+    versions: dict[str, int] = field(default_factory=dict)
+
+    def incompatible(self, ours: dict[str, int]) -> list[str]:
+        """What differs between its versions and ``ours`` ("state: theirs 2, ours 3")."""
+        return [
+            f"{name}: theirs {self.versions[name]}, ours {version}"
+            for name, version in sorted(ours.items())
+            if name in self.versions and self.versions[name] != version
+        ]
 
 
 def serve_info(host: Host, info: NodeInfo) -> None:
     async def serve(stream: Stream) -> None:
         with trio.fail_after(TIMEOUT_S):
             await wire.receive(stream, msg_types=frozenset({"info?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES)
-            fields = {"peer_id": info.peer_id, "role": info.role, "runs": list(info.runs), "agent": info.agent}
+            fields = {
+                "peer_id": info.peer_id,
+                "role": info.role,
+                "runs": list(info.runs),
+                "agent": info.agent,
+                "versions": info.versions,
+            }
             await wire.send(stream, "info", VERSION, fields)
 
     host.set_handler(PROTOCOL_ID, serve)
@@ -66,4 +104,7 @@ async def ask_info(host: Host, peer_id: str) -> NodeInfo:
         role=wire.get_str(reply, "role", max_len=16),
         runs=tuple(runs),
         agent=wire.get_str(reply, "agent", max_len=64),
+        versions=wire.get_count_map(reply, "versions", max_items=MAX_VERSIONS, lo=0, hi=1 << 31)
+        if "versions" in reply
+        else {},
     )

@@ -3,9 +3,31 @@
 Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. So:
 
 - **Reachability**: a node asks up to three peers it reached directly to dial it back on
-  a fresh TCP connection (protocol/dialback.py). One success makes us ``public``; answers
-  that all failed make us ``private``; no answer leaves us ``unknown``. Checked at start,
-  whenever our addresses change, while still unknown, and every ``RECHECK_INTERVAL_S``.
+  a fresh TCP connection (protocol/dialback.py). Checked at start, whenever our addresses
+  change, while still unknown, and every ``RECHECK_INTERVAL_S``. Any peer can lie, so no
+  single answer decides (AutoNAT asks for several confirmations); ``Verdicts`` keeps the
+  latest verdict of each server, with its time, across checks, so a small network adds up
+  confirmations over successive checks. Over the verdicts younger than
+  ``RECHECK_INTERVAL_S``, counting servers by the IP of our direct connection to them (two
+  peers on one IP are one voice: a liar gets more votes only by getting more addresses):
+
+  - ``public`` once at least ``CONFIRMATIONS`` distinct IPs confirmed a dial-back and
+    successes outnumber failures. Once public, we stay public while successes outnumber
+    failures (verdicts expire; the count need not be re-earned at every recheck);
+  - ``private`` when failures reach successes (at least one failure), public or not before;
+  - ``unknown`` otherwise (one confirmation so far, or no verdict). A check nobody answered
+    changes nothing.
+
+  Exception, for tiny networks: a preferred (bootstrap) peer's success counts as all the
+  confirmations we need while it is the only peer that ever answered us. A node and its
+  bootstrap alone (on loopback, in a fresh run) could never find a second voice, and the
+  user chose that bootstrap: trusting it is trusting their own configuration. Once any
+  other peer has answered, the exception is off for good: the network is no longer tiny,
+  and that peer's verdict expiring must not bring the one-voice shortcut back. (On
+  loopback every peer has one IP, so beyond that case a loopback node stays ``unknown``:
+  true enough, only this machine can dial it.)
+  When our addresses change, the verdicts about the old ones are forgotten and public has
+  to be established again.
 
 - **Relay service**: a public node offers circuit relay v2 (libp2p's ``CircuitV2Protocol``)
   with bounded reservations, circuits, bytes and seconds per circuit (``NatPolicy``).
@@ -27,6 +49,7 @@ callers' (``Host.connection_type``, protocol/pairing.py).
 
 import logging
 import random
+from collections.abc import Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -57,8 +80,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Peers asked per check: more than CONFIRMATIONS, so one that does not answer (or lies)
+# still leaves a majority, and few enough that a check costs the swarm little.
 SERVERS_PER_CHECK = 3
+# A NAT mapping or a port forward changes on the scale of minutes to hours: check again
+# every 10 min, and drop verdicts older than that (they may describe another network).
 RECHECK_INTERVAL_S = 600.0
+# Distinct servers (distinct IPs) whose dial-back must succeed before we call ourselves
+# public: one lying peer alone cannot make a node behind a NAT skip its relay slot.
+CONFIRMATIONS = 2
+# Servers whose latest verdict we keep (the oldest goes first): a check asks 3, and a
+# handful of minutes of checks is all a verdict lives; bounded because strangers come and go.
+MAX_VERDICTS = 64
 # How often the loops look at connections and addresses (cheap: dict scans).
 POLL_S = 1.0
 WANTED_RELAYS = 2
@@ -177,6 +210,62 @@ class Retries:
         self._tries.pop(peer_id, None)
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    reached: bool
+    server_ip: str
+    """The server's IP on our direct connection to it (``Host.direct_ip``), not what it claims."""
+    at: float
+
+
+class Verdicts:
+    """The latest dial-back verdict per server and the reachability they add up to (the
+    rule is in the module docstring). No hosts, no clock: times are passed in."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, Verdict] = {}
+        """Server → its latest verdict; insertion order is age order (re-added on update)."""
+        self._first_answerer: str | None = None
+        self._others_answered = False
+        """Whether a peer other than the first ever answered (bounded: all the exception needs)."""
+        self._public = False
+        """Public was established by these verdicts (and not overturned since)."""
+
+    def add(self, server: str, server_ip: str, reached: bool, now: float) -> None:
+        if self._first_answerer is None:
+            self._first_answerer = server
+        elif server != self._first_answerer:
+            self._others_answered = True
+        self._latest.pop(server, None)
+        self._latest[server] = Verdict(reached, server_ip, now)
+        for old, verdict in list(self._latest.items()):
+            if len(self._latest) > MAX_VERDICTS or now - verdict.at > RECHECK_INTERVAL_S:
+                del self._latest[old]
+
+    def __len__(self) -> int:
+        return len(self._latest)
+
+    def forget(self) -> None:
+        """Our addresses changed: the verdicts were about the old ones. Who ever answered is
+        kept (it is about the network, not about us)."""
+        self._latest.clear()
+        self._public = False
+
+    def reachability(self, preferred: Collection[str], now: float) -> str:
+        """``public``, ``private`` or ``unknown`` from the verdicts younger than
+        ``RECHECK_INTERVAL_S``; remembers whether public was established."""
+        live = [v for v in self._latest.values() if now - v.at <= RECHECK_INTERVAL_S]
+        successes = len({v.server_ip for v in live if v.reached})
+        failures = len({v.server_ip for v in live if not v.reached})
+        confirmations = successes
+        if successes and not self._others_answered and self._first_answerer in preferred:
+            confirmations = CONFIRMATIONS  # our bootstrap is all the network there is: trust it
+        self._public = successes > failures and (self._public or confirmations >= CONFIRMATIONS)
+        if self._public:
+            return "public"
+        return "private" if failures >= successes and failures else "unknown"
+
+
 class Nat:
     """Reachability, relay service, reservations and hole punching for one host.
 
@@ -194,6 +283,7 @@ class Nat:
         self.changed = trio.Event()
         """Set (and replaced) whenever reachability, our relay slots or a connection's type change."""
         self._preferred: list[str] = []
+        self._verdicts = Verdicts()
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
@@ -375,23 +465,36 @@ class Nat:
         servers = self._servers(host)
         if not ports or not servers:
             return self.status.reachability
-        verdicts: list[tuple[bool, str | None]] = []
+        answers: list[tuple[str, str, bool, str | None]] = []
+        """(server, its IP on our connection, reached, the IP it saw us on) per answer."""
 
         async def ask(server: str) -> None:
+            server_ip = host.direct_ip(server)
+            if server_ip is None:  # the connection went relayed or away since we picked it
+                return
             verdict = await dialback.ask(host, server, ports)
             if verdict is not None:
-                verdicts.append(verdict)
+                answers.append((server, server_ip, *verdict))
 
         async with trio.open_nursery() as nursery:
             for server in servers:
                 nursery.start_soon(ask, server)
         self.status.checks += 1
-        if not verdicts:
+        if not answers:
             return self.status.reachability
-        reachability = "public" if any(reached for reached, _ in verdicts) else "private"
-        observed = next((ip for _, ip in verdicts if ip), None)
+        now = trio.current_time()
+        for server, server_ip, reached, _ in answers:
+            self._verdicts.add(server, server_ip, reached, now)
+        reachability = self._verdicts.reachability(self._preferred, now)
+        observed = next((ip for *_, ip in answers if ip), None)
         if reachability != self.status.reachability or observed != self.status.observed_ip:
-            logger.info("reachability: %s (seen as %s by %d peer(s))", reachability, observed, len(verdicts))
+            logger.info(
+                "reachability: %s (seen as %s; %d of %d peer(s) dialed us back this check)",
+                reachability,
+                observed,
+                sum(reached for _, _, reached, _ in answers),
+                len(answers),
+            )
             self.status.reachability = reachability
             self.status.observed_ip = observed
             self.status.offering_relay = self._offering()
@@ -409,6 +512,7 @@ class Nat:
             if due and self._servers(host):
                 if addrs and current != addrs:
                     logger.info("our addresses changed: checking reachability again")
+                    self._verdicts.forget()
                 addrs = current
                 last_check = now
                 await self.check_reachability(host)

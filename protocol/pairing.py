@@ -10,6 +10,13 @@ Protocol flow (``/swarmtrain/pair/1.0.0``), one question per stream:
                                                  {t: "busy", v: 1, retry, reason}
     after "accept" each sends its payload to the other (protocol/exchange.py, same round)
 
+Who may pair: only members of the run (``is_member``: a signed member record we hold),
+one question per peer at a time. A partner must start sending within ``NO_SHOW_S`` of the
+pairing; one that does not is penalized (two no-shows ban) and dropped, and we look for another while the
+bound lasts (a stranger who asks everyone and never sends costs each node at most that
+long per try, and is banned after a few). Transfers are authorized here (``authorize``):
+only our partner's (or the asked peer's) payload of our size for our round gets a buffer.
+
 A node at a boundary ``offer``s its payload, then ``find_partner`` asks live peers in
 random order; "busy" means try another. Meanwhile it accepts the first peer that asks it.
 Two nodes asking each other at the same moment both answer "busy" (each holds its asking
@@ -23,6 +30,7 @@ the γ term), and a slow or dead peer never holds anyone longer than that.
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,6 +51,12 @@ PROTOCOL_ID = "/swarmtrain/pair/1.0.0"
 VERSION = 1
 MAX_FRAME_NBYTES = 4096
 ASK_TIMEOUT_S = 5.0
+# How long a partner may take to start sending its payload after the pairing: the honest
+# one starts at once (its header travels in milliseconds), so this only bounds a no-show.
+NO_SHOW_S = 10.0
+# A no-show costs its victim up to NO_SHOW_S and a partner for the round: two of them ban
+# (an honest node does it only by crashing mid-round, twice within the penalty decay).
+NO_SHOW_POINTS = 3
 # Pause between sweeps over the candidates (peers may reach their boundary any moment).
 RETRY_PAUSE_S = (0.05, 0.3)
 PAYLOAD_NAME = "noloco"
@@ -58,12 +72,26 @@ class _Round:
     early: bytes | None = None
     """The payload of the peer we are asking, if it came before its "accept" reached us."""
     received: bool = False
-    sent: trio.Event = field(default_factory=trio.Event)
+    started: bool = False
+    """The partner's transfer began (its header was authorized)."""
+    sends: list[trio.Event] = field(default_factory=list)
+    """One per send of our outbox (to each partner we had this round), set when it ended."""
+    no_shows: set[str] = field(default_factory=set)
 
 
 class Pairing:
-    def __init__(self, host: Host, *, send_timeout_s: float, upload_limit: RateLimit = UNLIMITED) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        send_timeout_s: float,
+        is_member: Callable[[str], bool],
+        upload_limit: RateLimit = UNLIMITED,
+    ) -> None:
         self._host = host
+        self._is_member = is_member
+        self._asked_by: set[str] = set()
+        """Peers whose question we are answering: one at a time each."""
         self._send_timeout_s = send_timeout_s
         self._upload_limit = upload_limit
         self._round: _Round | None = None
@@ -75,11 +103,25 @@ class Pairing:
         self.bytes_received = 0
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
-        self._host.set_handler(PROTOCOL_ID, self._serve)
+        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
+
+    def authorize(self, peer_id: str, round_index: int, nbytes: int) -> str | None:
+        """TensorReceiver check before any allocation: only our partner's payload for this round."""
+        current = self._round
+        if current is None or round_index != current.index:
+            return "not at that round boundary"
+        if peer_id not in (current.partner, current.asking) or current.received:
+            return "not our partner now"
+        if nbytes != len(current.inbox):
+            return f"our payload is {len(current.inbox)} bytes"
+        if peer_id == current.partner:
+            current.started = True
+            self._notify()
+        return None
 
     async def accept_payload(self, peer_id: str, payload: Payload) -> None:
         """TensorReceiver callback: keep our partner's payload for this round, drop others."""
@@ -107,22 +149,51 @@ class Pairing:
         self._round = current
         try:
             with trio.move_on_after(timeout_s):
-                await self._pair(current, candidates)
-                if current.partner is None:
-                    return None  # nobody left who could pair for this round
-                while not current.received:
-                    changed = self._changed
-                    if current.received:
+                while True:
+                    await self._pair(current, candidates)
+                    if current.partner is None:
+                        return None  # nobody left who could pair for this round
+                    if await self._await_payload(current):
                         break
-                    await changed.wait()
-                await current.sent.wait()  # the outbox is ours to reuse only once it is sent
+                    # A no-show: penalized; look for someone else while the bound lasts.
+                    candidates = [p for p in candidates if p not in current.no_shows]
+                for sent in current.sends:  # the outbox is ours to reuse only once every send ended
+                    await sent.wait()
             return current.partner if current.received else None
         finally:
             self._round = None
             self._last_round = max(self._last_round, round_index)
 
+    async def _await_payload(self, current: _Round) -> bool:
+        """Until the partner's payload is in; False (and the partner penalized and dropped)
+        if its transfer did not start within ``NO_SHOW_S``."""
+        partner = current.partner
+        assert partner is not None
+        with trio.move_on_after(NO_SHOW_S):
+            while not (current.started or current.received):
+                changed = self._changed
+                if current.started or current.received:
+                    break
+                await changed.wait()
+        if not (current.started or current.received):
+            current.no_shows.add(partner)
+            current.partner = None
+            reason = f"paired for round {current.index} and never sent its payload"
+            await self._host.punish(partner, reason, points=NO_SHOW_POINTS)
+            return False
+        while not current.received:
+            changed = self._changed
+            if current.received:
+                break
+            await changed.wait()
+        return True
+
     async def _pair(self, current: _Round, candidates: list[str]) -> None:
-        allowed = [p for p in candidates if self._host.tensor_refusal(p) is None]
+        allowed = [
+            p
+            for p in candidates
+            if self._host.tensor_refusal(p) is None and self._is_member(p) and p not in current.no_shows
+        ]
         order = random.sample(allowed, len(allowed))
         while current.partner is None:
             if not order:
@@ -174,6 +245,16 @@ class Pairing:
         return "busy" if reply.get("retry") is not False else "never"
 
     async def _serve(self, stream: Stream) -> None:
+        if stream.peer_id in self._asked_by:
+            await wire.send(stream, "busy", VERSION, {"retry": True, "reason": "one question at a time"})
+            return
+        self._asked_by.add(stream.peer_id)
+        try:
+            await self._answer(stream)
+        finally:
+            self._asked_by.discard(stream.peer_id)
+
+    async def _answer(self, stream: Stream) -> None:
         request = await wire.receive(
             stream, msg_types=frozenset({"pair?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
         )
@@ -182,8 +263,10 @@ class Pairing:
         current = self._round
         refusal = self._host.tensor_refusal(stream.peer_id)
         # "never": the asker should stop asking us for this round; "later": ask again.
-        if refusal is not None:
-            verdict: tuple[str, str] | None = ("never", refusal)
+        if not self._is_member(stream.peer_id):
+            verdict: tuple[str, str] | None = ("never", "not a member of this run")
+        elif refusal is not None:
+            verdict = ("never", refusal)
         elif current is None:
             verdict = ("never", "past that round") if self._last_round >= round_index else ("later", "computing")
         elif current.index != round_index:
@@ -207,9 +290,11 @@ class Pairing:
 
     def _start_sending(self, current: _Round) -> None:
         assert self._nursery is not None and current.partner is not None
-        self._nursery.start_soon(self._send, current.partner, current)
+        sent = trio.Event()
+        current.sends.append(sent)
+        self._nursery.start_soon(self._send, current.partner, current, sent)
 
-    async def _send(self, partner: str, current: _Round) -> None:
+    async def _send(self, partner: str, current: _Round, sent: trio.Event) -> None:
         payload = Payload(current.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(current.outbox),)),), current.outbox)
         try:
             await send_tensors(self._host, partner, payload, timeout_s=self._send_timeout_s, limit=self._upload_limit)
@@ -217,7 +302,7 @@ class Pairing:
         except ProtocolError as exc:
             logger.info("sending round %d payload to %s failed: %s", current.index, partner, exc)
         finally:
-            current.sent.set()
+            sent.set()
 
     def _notify(self) -> None:
         self._changed.set()

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 PENALTY_POINTS = 1
 BAN_POINTS = 5
 BAN_S = 600.0
+# A point is forgiven after this long: an honest peer's rare slip (a crash mid-round, a
+# timeout on a bad link) never adds up to a ban over a long run; a pattern still does.
+PENALTY_DECAY_S = 300.0
 
 
 @dataclass(slots=True)
@@ -25,6 +28,7 @@ class PeerStatus:
     last_seen: float = -math.inf
     first_seen: float = -math.inf
     penalty: int = 0
+    penalized_at: float = -math.inf
     banned_until: float = -math.inf
     digest: str = ""
     role: str = ""
@@ -87,7 +91,10 @@ class PeerTable:
     def penalize(self, peer_id: str, reason: str) -> bool:
         """Add a penalty for bad input; True if the peer is now banned."""
         info = self._info(peer_id)
+        now = trio.current_time()
+        self._decay(info, now)
         info.penalty += PENALTY_POINTS
+        info.penalized_at = now
         logger.warning("peer %s misbehaved (%s); penalty %d/%d", peer_id, reason, info.penalty, BAN_POINTS)
         if info.penalty >= BAN_POINTS:
             info.banned_until = trio.current_time() + BAN_S
@@ -103,7 +110,18 @@ class PeerTable:
 
     def penalty(self, peer_id: str) -> int:
         info = self._peers.get(peer_id)
-        return 0 if info is None else info.penalty
+        if info is None:
+            return 0
+        self._decay(info, trio.current_time())
+        return info.penalty
+
+    @staticmethod
+    def _decay(info: PeerStatus, now: float) -> None:
+        if info.penalty and now > info.penalized_at:
+            forgiven = int((now - info.penalized_at) // PENALTY_DECAY_S)
+            if forgiven:
+                info.penalty = max(0, info.penalty - forgiven)
+                info.penalized_at += forgiven * PENALTY_DECAY_S
 
     @property
     def changed(self) -> trio.Event:

@@ -8,10 +8,15 @@ Tasks, all in one nursery:
   repairs whatever gossip dropped;
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
   at most one pull per peer per MIN_PULL_SPACING_S;
-- members: dial members we read about in the document but are not connected to;
+- members: dial members we read about in the document but are not connected to (live
+  ones first, a bounded number per sweep: a stranger's made-up members cost little);
+- upkeep: after changes, write back the newest record of live members (and ours) that a
+  delete or a replay took out of the document, and past ``MAX_MEMBERS`` records evict the
+  silent oldest (protocol/state.py: the admission rule);
 - expiry: drop peers silent for longer than the TTL.
 """
 
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -20,10 +25,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from protocol import gossip
-from protocol.errors import BadMessage, ProtocolError
-from protocol.host import Host, PeerAddrs
+from protocol.errors import ProtocolError
+from protocol.hostlike import GossipMessage, HostLike, PeerAddrs
 from protocol.peers import PeerTable
-from protocol.state import RunState
+from protocol.state import MAX_MEMBERS, RunState
 from protocol.sync import StateSync
 
 if TYPE_CHECKING:
@@ -34,6 +39,11 @@ logger = logging.getLogger(__name__)
 NUM_PULL_WORKERS = 4
 PULL_QUEUE_SIZE = 256
 MAX_PARALLEL_MEMBER_DIALS = 8
+# Members dialed per sweep: enough for any honest run's newcomers between two sweeps.
+MAX_DIALS_PER_SWEEP = 32
+# Upkeep (restores, evictions) at most this often: every write leaves a tombstone, and an
+# attacker replaying old records should cost us a write per second at most, not per message.
+UPKEEP_SPACING_S = 1.0
 # Pulls from one peer at most this often: every heartbeat with a stale digest asks for one.
 MIN_PULL_SPACING_S = 1.0
 # A newcomer's heartbeat goes out within this of meeting a peer, however long the interval.
@@ -43,7 +53,7 @@ MIN_HEARTBEAT_SPACING_S = 1.0
 class RunService:
     def __init__(
         self,
-        host: Host,
+        host: HostLike,
         state: RunState,
         peers: PeerTable,
         *,
@@ -60,7 +70,7 @@ class RunService:
         self._anti_entropy_interval_s = anti_entropy_interval_s
         self._dial_timeout_s = dial_timeout_s
         self._topic = gossip.topic(state.run_id)
-        self._sync = StateSync(host, state, peers)
+        self._sync = StateSync(host, state)
         self._pull_send, self._pull_receive = trio.open_memory_channel[str](PULL_QUEUE_SIZE)
         self._queued: set[str] = set()
         self._last_pull: dict[str, float] = {}
@@ -71,6 +81,8 @@ class RunService:
         self.num_pull_failures = 0
         self.zo_hint: Callable[[str, bytes], Awaitable[None]] | None = None
         """Where gossiped ZO batches go (node/zo.py verifies them); dropped while None."""
+        self.zo_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
+        """Where gossiped ZO equivocation evidence goes (protocol/zosync.py checks it)."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._sync.register()
@@ -82,6 +94,7 @@ class RunService:
             nursery.start_soon(self._anti_entropy_loop)
             nursery.start_soon(self._member_dial_loop)
             nursery.start_soon(self._expiry_loop)
+            nursery.start_soon(self._upkeep_loop)
             task_status.started()
 
     # --- entry points for other services ---
@@ -112,6 +125,11 @@ class RunService:
         if len(batch) <= gossip.MAX_PUSH_NBYTES:
             await self._publish(gossip.ZoBatch(batch))
 
+    async def push_zo_evidence(self, first: bytes, second: bytes) -> None:
+        """Gossip the two batches that convict an author of equivocation."""
+        if len(first) + len(second) <= gossip.MAX_PUSH_NBYTES:
+            await self._publish(gossip.ZoEvidence(first, second))
+
     async def say_bye(self) -> None:
         await self._publish(gossip.Bye())
 
@@ -124,33 +142,33 @@ class RunService:
             logger.debug("gossip publish failed: %s", exc)
 
     async def _gossip_loop(self) -> None:
-        async for message in self._host.subscribe(self._topic):
-            sender = message.from_peer
-            self.num_gossip_received += 1
-            if self.peers.is_banned(sender):
-                continue
-            try:
-                payload = gossip.decode(message.data)
-            except BadMessage as exc:
-                await self._sync.punish(sender, f"gossip: {exc}")
-                continue
-            match payload:
-                case gossip.Heartbeat(digest=digest, role=role):
-                    if self.peers.seen(sender, digest=digest, role=role):
-                        logger.info("peer %s is live (%s)", sender, role)
-                    if digest != self.state.digest:
-                        self.request_pull(sender)
-                case gossip.Update(update=update):
-                    try:
-                        self.state.apply_remote(update)
-                    except BadMessage as exc:
-                        await self._sync.punish(sender, f"gossiped update: {exc}")
-                case gossip.Bye():
-                    logger.info("peer %s left", sender)
-                    self.peers.gone(sender)
-                case gossip.ZoBatch(batch=batch):
-                    if self.zo_hint is not None:
-                        await self.zo_hint(sender, batch)
+        # aclosing: a cancelled loop closes the subscription now, not whenever GC gets to it.
+        async with contextlib.aclosing(self._host.subscribe(self._topic)) as messages:
+            async for message in messages:
+                self.num_gossip_received += 1
+                if not self._host.guard.banned(message.from_peer):
+                    # The boundary rule: whatever a message does to us is judged, never fatal.
+                    await self._host.guard.run(message.from_peer, "gossip", self._on_gossip, message)
+
+    async def _on_gossip(self, message: GossipMessage) -> None:
+        sender = message.from_peer
+        match gossip.decode(message.data):
+            case gossip.Heartbeat(digest=digest, role=role):
+                if self.peers.seen(sender, digest=digest, role=role):
+                    logger.info("peer %s is live (%s)", sender, role)
+                if digest != self.state.digest:
+                    self.request_pull(sender)
+            case gossip.Update(update=update):
+                self.state.apply_remote(update)
+            case gossip.Bye():
+                logger.info("peer %s left", sender)
+                self.peers.gone(sender)
+            case gossip.ZoBatch(batch=batch):
+                if self.zo_hint is not None:
+                    await self.zo_hint(sender, batch)
+            case gossip.ZoEvidence(first=first, second=second):
+                if self.zo_evidence is not None:
+                    await self.zo_evidence(first, second)
 
     async def _heartbeat_loop(self) -> None:
         """Every interval, and soon after we meet someone new (so they see us without
@@ -200,8 +218,8 @@ class RunService:
             changed = self.state.changed  # taken first: a change while we dial still wakes us
             connected = self._host.connected_peers()
             now = trio.current_time()
-            to_dial = [
-                PeerAddrs(m.peer_id, m.addrs)
+            candidates = [
+                m
                 for m in self.state.members.values()
                 if m.peer_id != self._host.peer_id
                 and m.peer_id not in connected
@@ -209,11 +227,40 @@ class RunService:
                 and not self.peers.is_banned(m.peer_id)
                 and now - self._failed_dials.get(m.peer_id, -1e9) > self.peers.ttl_s
             ]
+            candidates.sort(key=lambda m: (not self.peers.is_live(m.peer_id), -m.seq))
+            to_dial = [PeerAddrs(m.peer_id, m.addrs) for m in candidates[:MAX_DIALS_PER_SWEEP]]
             async with trio.open_nursery() as nursery:
                 for peer in to_dial:
                     nursery.start_soon(dial, peer)
             with trio.move_on_after(self._anti_entropy_interval_s):
                 await changed.wait()
+
+    async def _upkeep_loop(self) -> None:
+        while True:
+            changed = self.state.changed
+            for update in self.upkeep():
+                await self.push(update)
+            await trio.sleep(UPKEEP_SPACING_S)
+            await changed.wait()
+
+    def upkeep(self) -> list[bytes]:
+        """Restore the records of live members (and ours) a delete or replay took back; evict
+        the silent oldest past MAX_MEMBERS. Returns the updates to push."""
+        me = self._host.peer_id
+        restore = [p for p in self.state.stale() if p == me or self.peers.is_live(p)]
+        updates = [self.state.restore(restore)]
+        members = self.state.members
+        excess = len(members) - MAX_MEMBERS
+        if excess > 0:
+            silent = sorted(
+                (r for p, r in members.items() if p != me and not self.peers.is_live(p)), key=lambda r: r.seq
+            )
+            evicted = [r.peer_id for r in silent[:excess]]
+            logger.info("%d member records past %d: evicting %d silent ones", len(members), MAX_MEMBERS, len(evicted))
+            updates.append(self.state.evict(evicted))
+        if restore:
+            logger.info("restored %d member records a delete or a replay had taken back", len(restore))
+        return [u for u in updates if u]
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -1,30 +1,56 @@
-"""The replicated state of one run: a pycrdt document holding its manifest and members.
+"""The replicated state of one run: a pycrdt document of signed records.
 
     doc
-    ├── "manifest"  Map: run_id, name, creator, created_at, version, and what the run
-    │               trains: algorithm, model, steps_per_round, rounds, lr, batch_size,
-    │               compression (node/training.py adopts them)
-    └── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at}
+    ├── "manifest"  Map: run_id, name, creator, created_at, version, what the run trains
+    │               (algorithm, model, steps_per_round, rounds, lr, batch_size,
+    │               compression: node/training.py adopts them), and sig: the creator's
+    └── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at,
+                    seq, sig}: each record signed by the peer it describes
 
-The manifest is written once, by the node that starts the run, and is immutable after that.
-Each member writes its own record. Liveness (heartbeats) is not in the document: every
-write leaves a tombstone, and heartbeats would grow it forever.
+Trust rules (peers are strangers; protocol/keys.py checks a signature from the peer id):
+- **Signed records.** The manifest is signed by its creator and never changes; a member
+  record is signed by its member. A record whose signature fails makes the update that
+  carries it invalid (``BadMessage``: the sender is penalized). Anyone may *relay* a
+  record, since only its author could have made it.
+- **Newer replaces older, per author.** Our view of the members (``members``) keeps, for
+  each author, the record with the highest ``seq`` we ever saw. A replayed older record, or
+  a delete, may reach the document (a CRDT merge cannot refuse part of an update, and
+  refusing the whole one would make honest relayers look guilty: nodes banned each other
+  that way) but it changes nothing in the view, and ``stale`` names the authors whose
+  document entry fell behind our view, so the node writes their newest record back
+  (``restore``; the run service does it for live members and for itself).
+- **Admission**: keys are free, so a stranger can fill the document with valid records of
+  made-up members. Nothing is refused for their number (a cap on the count would make the
+  same update valid at one node and invalid at another). Instead each node evicts the
+  silent oldest once the document holds more than ``MAX_MEMBERS`` records (``evict``,
+  run by protocol/run.py: members we have not heard from, oldest ``seq`` first; never
+  ourselves, never a live one); what counts for training is a member that is also live
+  (node/training.py), and a record evicted comes back only with a newer signature. A hard
+  byte cap (``MAX_DOC_NBYTES``) bounds memory; an update past it is refused without a
+  penalty (``Overfull``), since an honest relayer may be the one that hits it.
+- **Validated on a scratch copy.** A remote update is applied to a copy first; the copy is
+  checked whole (known roots only, each a Map, every record's fields, types, sizes and
+  signature); only then does the copy become our document. pycrdt (yrs) can panic on
+  hostile bytes, and its ``PanicException`` is a ``BaseException``: every call that sees a
+  peer's bytes is wrapped (``_crdt``) and a panic is a ``BadMessage`` like any other.
 
-Remote updates are checked before they touch the document: the update is applied to a
-scratch copy, the copy's content is validated, and only then is the update applied for
-real. A garbage or hostile update therefore raises ``BadMessage`` and changes nothing.
+Liveness (heartbeats) is not in the document: every write leaves a tombstone.
 """
 
 import hashlib
 import json
+import os
 import re
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, TypeVar
 
 import trio
 from pycrdt import Doc, Map
 
-from protocol.errors import BadMessage
+from protocol import crdt_check, keys
+from protocol.errors import BadMessage, ProtocolError, UnsupportedVersion
+from protocol.guard import FATAL
 
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")  # base58btc
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
@@ -32,13 +58,31 @@ ROOTS = ("manifest", "members")
 # Training settings are names like "noloco" or "gpt-125m"; the node checks the values it supports.
 SETTING_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
 ROLES = frozenset({"trainer", "bootstrap", "observer"})
-# Bounds that keep one run's document small enough to copy on every remote update.
-MAX_MEMBERS = 4096
+# Over this many member records, each node evicts the silent oldest (see the docstring).
+MAX_MEMBERS = 1024
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
-MAX_DOC_NBYTES = 16 << 20
+# A record is ≈ 400 bytes: 2 MiB holds five times MAX_MEMBERS, and the whole document still
+# fits one sync frame (protocol/wire.py: 8 MiB) when a newcomer asks for all of it.
+MAX_DOC_NBYTES = 2 << 20
+# Structs in one update: a newcomer's whole document (each member's record and the history
+# of its rewrites) fits; ten thousand chained items cost yrs seconds and gigabytes.
+MAX_UPDATE_STRUCTS = 4 * MAX_MEMBERS + 256
 # 2**53: integers above this do not survive pycrdt's float conversion exactly.
 MAX_SAFE_INT = 1 << 53
+FORMAT_VERSION = 3
+"""Of this document's layout: 3 = signed manifest and member records (seq, sig)."""
+MANIFEST_DOMAIN = "swarmtrain/manifest/3"
+MEMBER_DOMAIN = "swarmtrain/member/3"
+T = TypeVar("T")
+# A panic in yrs prints a backtrace when this is 1: 4 KiB of stderr and ≈1 ms per hostile
+# update, a log flood a stranger controls. Read by Rust at the first panic: set it now.
+os.environ["RUST_BACKTRACE"] = "0"
+
+
+class Overfull(ProtocolError):
+    """A valid update we cannot take: the document would pass its byte cap. Not the
+    sender's fault (it may only relay), so not penalized (protocol/guard.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +92,17 @@ class Manifest:
     creator: str
     created_at: float
     algorithm: str = "none"
-    """What every trainer of the run does: none (network only), noloco, diloco, local."""
+    """What every trainer of the run does: none (network only), noloco, diloco, local, zo."""
     model: str = "tiny"
     steps_per_round: int = 50
     rounds: int = 20
     lr: float = 1e-3
     batch_size: int = 8
     compression: str = "none"
-    version: int = 2
+    version: int = FORMAT_VERSION
+
+    def signed_fields(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,26 +113,45 @@ class MemberRecord:
     device: str
     memory_nbytes: int
     joined_at: float
+    seq: int = 0
+    """The author's version of its record: a higher one replaces a lower one."""
+    sig: bytes = b""
+    """The author's signature over every other field and the run id."""
+
+    def signed_fields(self, run_id: str) -> list[Any]:
+        return [
+            run_id,
+            self.peer_id,
+            list(self.addrs),
+            self.role,
+            self.device,
+            self.memory_nbytes,
+            self.joined_at,
+            self.seq,
+        ]
+
+    def newer_than(self, other: "MemberRecord | None") -> bool:
+        return other is None or self.seq > other.seq
 
 
-def _read_varuint(data: bytes) -> int:
-    value = 0
-    for i, byte in enumerate(data[:10]):
-        value |= (byte & 0x7F) << (7 * i)
-        if not byte & 0x80:
-            return value
-    raise BadMessage("malformed length prefix")
+def sign_member(record: MemberRecord, seed: bytes, run_id: str) -> MemberRecord:
+    """``record`` signed with the node key ``seed`` (which must be the record's peer)."""
+    if keys.peer_id_of(seed) != record.peer_id:
+        raise ValueError("a member record is signed by the member it describes")
+    unsigned = replace(record, sig=b"")
+    return replace(unsigned, sig=keys.sign(seed, MEMBER_DOMAIN, unsigned.signed_fields(run_id)))
 
 
-def _guard_count(data: bytes, min_item_nbytes: int, what: str) -> None:
-    """Refuse a leading item count the data cannot possibly hold.
-
-    pycrdt (yrs) reserves memory for the count an update or state vector declares before
-    reading the items: 9 hostile bytes cost ≈500 MB and most of a second. Every item takes
-    at least ``min_item_nbytes``, so a larger count is a lie we can refuse up front.
-    """
-    count = _read_varuint(data)
-    _need(count * min_item_nbytes <= len(data), f"{what} declares {count} entries in {len(data)} bytes")
+def _crdt(what: str, call: Callable[[], T]) -> T:
+    """Call into pycrdt with a peer's bytes: whatever it raises, a native panic included
+    (pycrdt's ``PanicException`` is a ``BaseException``), becomes ``BadMessage``; our own
+    ``BadMessage`` verdicts pass unchanged."""
+    try:
+        return call()
+    except (BadMessage, *FATAL):
+        raise
+    except BaseException as exc:  # the boundary with a native library
+        raise BadMessage(f"{what}: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def _need(cond: bool, what: str) -> None:
@@ -118,9 +184,20 @@ def _as_str(value: Any, what: str, max_len: int, pattern: re.Pattern[str] | None
     return str(value)
 
 
+def _as_sig(value: Any, what: str) -> bytes:
+    _need(isinstance(value, bytes | bytearray) and len(value) == keys.SIGNATURE_NBYTES, f"{what} is not a signature")
+    return bytes(value)
+
+
 def parse_manifest(raw: dict[str, Any]) -> Manifest:
-    _need(set(raw) == {f for f in Manifest.__slots__}, f"manifest has fields {sorted(raw)}")
-    return Manifest(
+    """A manifest from the document, its creator's signature checked."""
+    version = raw.get("version")
+    if version != FORMAT_VERSION:
+        shown = int(version) if isinstance(version, float) and version.is_integer() else repr(version)[:20]
+        raise UnsupportedVersion(f"the run's document is of format {shown}; this node reads format {FORMAT_VERSION}")
+    expected = {f.name for f in fields(Manifest)} | {"sig"}
+    _need(set(raw) == expected, f"manifest has fields {sorted(raw)[:20]}")
+    manifest = Manifest(
         run_id=_as_str(raw["run_id"], "manifest.run_id", 64, RUN_ID_PATTERN),
         name=_as_str(raw["name"], "manifest.name", 64),
         creator=_as_str(raw["creator"], "manifest.creator", 64, PEER_ID_PATTERN),
@@ -134,38 +211,60 @@ def parse_manifest(raw: dict[str, Any]) -> Manifest:
         compression=_as_str(raw["compression"], "manifest.compression", 32, SETTING_PATTERN),
         version=_as_int(raw["version"], "manifest.version"),
     )
+    keys.verify(manifest.creator, _as_sig(raw["sig"], "manifest.sig"), MANIFEST_DOMAIN, manifest.signed_fields())
+    return manifest
 
 
-def parse_member(key: str, raw: Any) -> MemberRecord:
+def parse_member(key: str, raw: Any, run_id: str) -> MemberRecord:
+    """A member record from the document, its author's signature checked."""
     _need(isinstance(raw, dict), f"member {key[:64]!r} is not a map")
-    _need(set(raw) == {f for f in MemberRecord.__slots__}, f"member {key[:64]!r} has fields {sorted(raw)[:10]}")
+    expected = {f.name for f in fields(MemberRecord)}
+    _need(set(raw) == expected, f"member {key[:64]!r} has fields {sorted(raw)[:10]}")
     peer_id = _as_str(raw["peer_id"], "member.peer_id", 64, PEER_ID_PATTERN)
     _need(peer_id == key, f"member record under {key[:64]!r} names {peer_id}")
     addrs = raw["addrs"]
     _need(isinstance(addrs, list) and len(addrs) <= MAX_ADDRS, "member.addrs is not a short list")
     role = _as_str(raw["role"], "member.role", 16)
     _need(role in ROLES, f"member.role {role!r} is unknown")
-    return MemberRecord(
+    record = MemberRecord(
         peer_id=peer_id,
         addrs=tuple(_as_str(a, "member.addrs[]", MAX_ADDR_LEN) for a in addrs),
         role=role,
         device=_as_str(raw["device"], "member.device", 64),
         memory_nbytes=_as_int(raw["memory_nbytes"], "member.memory_nbytes"),
         joined_at=_as_time(raw["joined_at"], "member.joined_at"),
+        seq=_as_int(raw["seq"], "member.seq"),
+        sig=_as_sig(raw["sig"], "member.sig"),
     )
+    keys.verify(peer_id, record.sig, MEMBER_DOMAIN, record.signed_fields(run_id))
+    return record
+
+
+def _root_maps(doc: Doc[Any]) -> dict[str, Any]:
+    """Each known root's content; ``BadMessage`` for an unknown root or one of another type.
+
+    A root written as an Array or Text where we expect a Map would otherwise hide content
+    from the checks below (and grow the document past every count we make).
+    """
+    names = sorted(doc.keys())
+    extra = [n for n in names if n not in ROOTS]
+    _need(not extra, f"unknown top-level entries {extra[:5]}")
+    content: dict[str, Any] = {}
+    for name in names:
+        value = doc.get(name, type=Map).to_py()
+        _need(isinstance(value, dict), f"document root {name!r} is not a map")
+        content[name] = value
+    return content
 
 
 def _read(doc: Doc[Any], run_id: str) -> tuple[Manifest | None, dict[str, MemberRecord]]:
     """Validate a whole document; ``BadMessage`` names the first thing wrong with it."""
-    extra = sorted(set(doc.keys()) - set(ROOTS))
-    _need(not extra, f"unknown top-level entries {extra[:5]}")
-    raw_manifest = doc.get("manifest", type=Map).to_py() or {}
-    raw_members = doc.get("members", type=Map).to_py() or {}
-    _need(isinstance(raw_manifest, dict) and isinstance(raw_members, dict), "document roots have the wrong types")
+    content = _crdt("unreadable document", lambda: _root_maps(doc))
+    raw_manifest = content.get("manifest") or {}
+    raw_members = content.get("members") or {}
     manifest = parse_manifest(raw_manifest) if raw_manifest else None
     _need(manifest is None or manifest.run_id == run_id, "manifest belongs to another run")
-    _need(len(raw_members) <= MAX_MEMBERS, f"{len(raw_members)} members exceed {MAX_MEMBERS}")
-    members = {key: parse_member(key, value) for key, value in raw_members.items()}
+    members = {key: parse_member(key, value, run_id) for key, value in raw_members.items()}
     return manifest, members
 
 
@@ -177,8 +276,13 @@ class RunState:
             raise ValueError(f"invalid run id {run_id!r}")
         self.run_id = run_id
         self._doc: Doc[Any] = Doc()
+        self._good = bytes(self._doc.get_update())
+        """The document's last checked encoding: each remote update starts from it."""
         self._manifest: Manifest | None = None
+        self._in_doc: dict[str, MemberRecord] = {}
+        """The member records the document shows now."""
         self._members: dict[str, MemberRecord] = {}
+        """Our view: per author, the newest record we ever saw (minus evicted ones)."""
         self._digest = self._compute_digest()
         self._changed = trio.Event()
         self.num_changes = 0
@@ -195,24 +299,25 @@ class RunState:
 
     @property
     def digest(self) -> str:
-        """A hash of the content; equal digests mean equal manifest and members."""
+        """A hash of the document's content (manifest and member records): equal digests
+        mean nothing to pull. The view (``members``) may hold more (see ``stale``)."""
         return self._digest
+
+    def stale(self) -> list[str]:
+        """Authors whose record in the document is older than ours, or gone from it."""
+        return sorted(p for p, r in self._members.items() if r.newer_than(self._in_doc.get(p)))
 
     def state_vector(self) -> bytes:
         return bytes(self._doc.get_state())
 
     def encode(self) -> bytes:
         """The whole document as one update (what a newcomer or the save file needs)."""
-        return bytes(self._doc.get_update())
+        return self._good
 
     def diff(self, remote_state_vector: bytes) -> bytes:
         """What a peer with ``remote_state_vector`` lacks."""
-        # Each entry is two varints (client id, clock): at least 2 bytes.
-        _guard_count(remote_state_vector, 2, "state vector")
-        try:
-            return bytes(self._doc.get_update(remote_state_vector))
-        except ValueError as exc:
-            raise BadMessage(f"undecodable state vector: {exc}") from exc
+        crdt_check.check_state_vector(remote_state_vector)
+        return bytes(_crdt("undecodable state vector", lambda: self._doc.get_update(remote_state_vector)))
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
@@ -222,64 +327,102 @@ class RunState:
         """Set at the next change: take it before checking a condition, then wait on it."""
         return self._changed
 
-    # --- writing ---
+    # --- writing (each returns the update to push to peers) ---
 
-    def create_manifest(self, manifest: Manifest) -> bytes:
-        """Write the manifest (only once); returns the update to push to peers."""
+    def create_manifest(self, manifest: Manifest, seed: bytes) -> bytes:
+        """Write the manifest, signed by its creator's key ``seed`` (only once)."""
         if manifest.run_id != self.run_id:
             raise ValueError("manifest is for another run")
+        if keys.peer_id_of(seed) != manifest.creator:
+            raise ValueError("a manifest is signed by its creator")
         if self._manifest is not None:
             raise ValueError(f"run {self.run_id} already has a manifest")
-        return self._write("manifest", None, asdict(manifest))
+        value = {**asdict(manifest), "sig": keys.sign(seed, MANIFEST_DOMAIN, manifest.signed_fields())}
+        return self._write("manifest", [(k, v) for k, v in value.items()])
 
     def put_member(self, record: MemberRecord) -> bytes:
-        """Write our own membership record; returns the update to push to peers."""
-        value = asdict(record)
-        value["addrs"] = list(record.addrs)
-        return self._write("members", record.peer_id, value)
+        """Write a signed member record (``sign_member``) newer than the one we hold."""
+        keys.verify(record.peer_id, record.sig, MEMBER_DOMAIN, record.signed_fields(self.run_id))
+        if not record.newer_than(self._members.get(record.peer_id)):
+            raise ValueError(f"{record.peer_id} already has a record of seq ≥ {record.seq}")
+        return self._write("members", [(record.peer_id, _member_value(record))])
+
+    def restore(self, peer_ids: Iterable[str]) -> bytes:
+        """Write our newest record of each of ``peer_ids`` back into the document (those
+        ``stale`` named: a delete or a replay took them back); b"" if none needed it."""
+        todo = [p for p in peer_ids if p in self._members and self._members[p].newer_than(self._in_doc.get(p))]
+        return self._write("members", [(p, _member_value(self._members[p])) for p in todo]) if todo else b""
+
+    def evict(self, peer_ids: Iterable[str]) -> bytes:
+        """Remove records from the document and our view (the silent oldest, past
+        ``MAX_MEMBERS``); an evicted member comes back with a newer record."""
+        todo = [p for p in peer_ids if p in self._members or p in self._in_doc]
+        for peer_id in todo:
+            self._members.pop(peer_id, None)
+        return self._write("members", [(p, None) for p in todo]) if todo else b""
 
     def apply_remote(self, update: bytes) -> bool:
         """Merge an update from a peer after validating the result; True if anything changed.
 
         Raises ``BadMessage`` (and leaves the document untouched) if the update is garbage,
-        would make the document invalid, or would change the manifest.
+        would make the document invalid, or would change the manifest; ``Overfull`` if the
+        document would pass its byte cap.
         """
         _need(len(update) <= MAX_DOC_NBYTES, f"update of {len(update)} bytes is too large")
-        # Each client block starts with three varints (struct count, client id, clock).
-        _guard_count(update, 3, "update")
-        scratch: Doc[Any] = Doc()
-        try:
-            scratch.apply_update(self._doc.get_update())
-            scratch.apply_update(update)
-        except ValueError as exc:
-            raise BadMessage(f"undecodable CRDT update: {exc}") from exc
-        manifest, members = _read(scratch, self.run_id)
+        ours = crdt_check.check_state_vector(self.state_vector())
+        client_id = self._doc.client_id
+        crdt_check.check_update(
+            update, max_structs=MAX_UPDATE_STRUCTS, own_client=client_id, own_clock=ours.get(client_id, 0)
+        )
+        # The scratch copy takes our client id: once it passes, it *becomes* our document, so
+        # the update is decoded once and a native panic can only ever hit the scratch copy.
+        scratch: Doc[Any] = Doc(client_id=client_id)
+        scratch.apply_update(self._good)
+        _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
+        theirs = crdt_check.check_state_vector(bytes(_crdt("unreadable state", scratch.get_state)))
+        _need(all(theirs.get(c, 0) >= clock for c, clock in ours.items()), "update would move a clock back")
+        manifest, in_doc = _read(scratch, self.run_id)
         _need(self._manifest is None or manifest == self._manifest, "update would change the run manifest")
-        _need(len(scratch.get_update()) <= MAX_DOC_NBYTES, "update would make the document too large")
-        before = self._doc.get_state()
-        self._doc.apply_update(update)
-        if self._doc.get_state() == before and self._manifest == manifest and self._members == members:
-            return False
-        self._manifest, self._members = manifest, members
-        self._note_change()
+        encoded = bytes(_crdt("unencodable document", scratch.get_update))
+        if len(encoded) > MAX_DOC_NBYTES:
+            raise Overfull(f"the document would hold {len(encoded)} bytes, over {MAX_DOC_NBYTES}")
+        if theirs == ours and self._manifest == manifest and self._in_doc == in_doc:
+            return False  # nothing new: keep the document as it was, byte for byte
+        # What we adopt must also load again (the next update starts from it, newcomers and
+        # the save file get it): yrs accepted updates whose export it could not read back.
+        check: Doc[Any] = Doc()
+        _crdt("document does not load again", lambda: check.apply_update(encoded))
+        _need(_read(check, self.run_id) == (manifest, in_doc), "document reads differently once reloaded")
+        self._doc, self._good = scratch, encoded
+        self._adopt(manifest, in_doc)
         return True
 
     def load(self, update: bytes) -> None:
         """Restore a saved document (same checks as a remote update)."""
         self.apply_remote(update)
 
-    def _write(self, root: str, key: str | None, value: dict[str, Any]) -> bytes:
+    def _write(self, root: str, entries: list[tuple[str, Any]]) -> bytes:
         before = self._doc.get_state()
         target = self._doc.get(root, type=Map)
         with self._doc.transaction():
-            if key is None:
-                for k, v in value.items():
-                    target[k] = v
-            else:
-                target[key] = value
-        self._manifest, self._members = _read(self._doc, self.run_id)
-        self._note_change()
+            for key, value in entries:
+                if value is None:
+                    target.pop(key, None)
+                else:
+                    target[key] = value
+        manifest, in_doc = _read(self._doc, self.run_id)
+        self._good = bytes(self._doc.get_update())
+        self._adopt(manifest, in_doc)
         return bytes(self._doc.get_update(before))
+
+    def _adopt(self, manifest: Manifest | None, in_doc: dict[str, MemberRecord]) -> None:
+        self._manifest, self._in_doc = manifest, in_doc
+        view_before = self._members
+        self._members = dict(view_before)
+        for peer_id, record in in_doc.items():
+            if record.newer_than(self._members.get(peer_id)):
+                self._members[peer_id] = record
+        self._note_change()
 
     def _note_change(self) -> None:
         self._digest = self._compute_digest()
@@ -289,8 +432,18 @@ class RunState:
 
     def _compute_digest(self) -> str:
         content = {
-            "manifest": asdict(self._manifest) if self._manifest else None,
-            "members": {k: asdict(v) for k, v in sorted(self._members.items())},
+            "manifest": _jsonable(asdict(self._manifest)) if self._manifest else None,
+            "members": {k: _jsonable(asdict(v)) for k, v in sorted(self._in_doc.items())},
         }
         canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+def _member_value(record: MemberRecord) -> dict[str, Any]:
+    value = asdict(record)
+    value["addrs"] = list(record.addrs)
+    return value
+
+
+def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.hex() if isinstance(v, bytes) else v for k, v in value.items()}

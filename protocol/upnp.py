@@ -72,8 +72,8 @@ async def discover(ssdp_addr: tuple[str, int] = SSDP_ADDR, timeout_s: float = DI
         with trio.move_on_after(timeout_s):
             while not locations:
                 data, _ = await sock.recvfrom(4096)
-                location = _header(data.decode("latin-1"), "location")
-                if location and urlsplit(location).scheme == "http":
+                location = location_of(data)
+                if location is not None:
                     locations.append(location)
     if not locations:
         raise UpnpError(f"no UPnP gateway answered within {timeout_s:g} s")
@@ -82,6 +82,12 @@ async def discover(ssdp_addr: tuple[str, int] = SSDP_ADDR, timeout_s: float = DI
         raise UpnpError(f"the gateway's description at {locations[0]} answered HTTP {status}")
     control_url, service_type = parse_description(body, locations[0])
     return Gateway(control_url, service_type, _local_ip_towards(control_url))
+
+
+def location_of(answer: bytes) -> str | None:
+    """The http LOCATION of an SSDP answer (anyone on the LAN may answer: None for anything else)."""
+    location = _header(answer.decode("latin-1"), "location")
+    return location if location and _is_http(location) else None
 
 
 def parse_description(xml: bytes, base_url: str) -> tuple[str, str]:
@@ -99,9 +105,12 @@ def parse_description(xml: bytes, base_url: str) -> tuple[str, str]:
             services[fields["serviceType"]] = fields["controlURL"]
     for service_type in SERVICE_TYPES:
         if service_type in services:
-            url = urljoin(base_url, services[service_type])
-            if urlsplit(url).scheme != "http":
-                raise UpnpError(f"the gateway's control URL {url!r} is not http")
+            try:
+                url = urljoin(base_url, services[service_type])
+            except ValueError as exc:
+                raise UpnpError(f"the gateway's control URL is malformed: {exc}") from exc
+            if not _is_http(url):
+                raise UpnpError(f"the gateway's control URL {url[:200]!r} is not http")
             return url, service_type
     raise UpnpError("the gateway offers no WANIPConnection or WANPPPConnection service")
 
@@ -156,18 +165,37 @@ async def _soap(gateway: Gateway, action: str, arguments: dict[str, str]) -> byt
     return reply
 
 
+def _split(url: str) -> tuple[str, int, str, str]:
+    """(host, port, path with query, netloc) of an http URL a gateway gave us; anything
+    malformed (urllib raises ValueError for bad brackets or ports) is an ``UpnpError``:
+    the answer comes from whoever spoke on the LAN multicast."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or 80
+    except ValueError as exc:
+        raise UpnpError(f"malformed URL {url[:200]!r}: {exc}") from exc
+    if parts.scheme != "http" or not host:
+        raise UpnpError(f"not an http URL: {url[:200]!r}")
+    return host, port, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), parts.netloc
+
+
+def _is_http(url: str) -> bool:
+    try:
+        _split(url)
+    except UpnpError:
+        return False
+    return True
+
+
 async def _http(method: str, url: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise UpnpError(f"not an http URL: {url!r}")
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close", f"Content-Length: {len(body)}"]
+    host, port, path, netloc = _split(url)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {netloc}", "Connection: close", f"Content-Length: {len(body)}"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
     reply = b""
     with trio.move_on_after(REQUEST_TIMEOUT_S) as scope:
         try:
-            stream = await trio.open_tcp_stream(parts.hostname, parts.port or 80)
+            stream = await trio.open_tcp_stream(host, port)
             async with stream:
                 await stream.send_all(request)
                 while chunk := await stream.receive_some(16384):
@@ -199,13 +227,13 @@ def _escape(text: str) -> str:
 
 def _local_ip_towards(url: str) -> str:
     """Our source address towards the gateway (a UDP 'connect' sends nothing)."""
-    parts = urlsplit(url)
+    host, port, _, _ = _split(url)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            probe.connect((parts.hostname or "", parts.port or 80))
+            probe.connect((host, port))
             return str(probe.getsockname()[0])
         except OSError as exc:
-            raise UpnpError(f"no route to the gateway at {parts.hostname}: {exc}") from exc
+            raise UpnpError(f"no route to the gateway at {host}: {exc}") from exc
 
 
 @dataclass(slots=True)

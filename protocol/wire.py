@@ -7,13 +7,14 @@ and any failure is a ``BadMessage`` (never a crash, never a half-applied message
 Nothing here unpickles: msgpack maps of plain values only.
 """
 
+import contextlib
 import re
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import msgpack
 
-from protocol.errors import BadMessage, UnsupportedVersion
+from protocol.errors import BadMessage, ProtocolError, UnsupportedVersion
 
 LENGTH_NBYTES = 4
 # No message of ours comes near this; it bounds what a peer can make us buffer for one frame.
@@ -50,7 +51,9 @@ def decode(data: bytes, *, msg_types: frozenset[str], version: int) -> dict[str,
     if not isinstance(msg_version, int) or isinstance(msg_version, bool):
         raise BadMessage(f"message version {msg_version!r} is not an integer")
     if msg_version != version:
-        raise UnsupportedVersion(f"{msg_type} version {msg_version}, we speak {version}")
+        raise UnsupportedVersion(
+            f"{msg_type} version {msg_version}, we speak {version}", theirs=msg_version, ours=version
+        )
     return obj
 
 
@@ -77,6 +80,16 @@ async def send(stream: ByteStream, msg_type: str, version: int, fields: Mapping[
 async def receive(stream: ByteStream, *, msg_types: frozenset[str], version: int, max_nbytes: int) -> dict[str, Any]:
     """Read and decode one framed message."""
     return decode(await read_frame(stream, max_nbytes=max_nbytes), msg_types=msg_types, version=version)
+
+
+async def refuse_version(stream: ByteStream, exc: UnsupportedVersion, what: str) -> None:
+    """One clear answer to a peer of another version: an "error" in *its* version (so it can
+    read it), naming both versions. Best effort: the peer may already be gone."""
+    if exc.theirs is None or exc.ours is None:
+        return
+    reason = f"this node speaks {what} version {exc.ours}, you speak {exc.theirs}: run the same swarmtrain release"
+    with contextlib.suppress(ProtocolError):
+        await send(stream, "error", exc.theirs, {"reason": reason})
 
 
 def get_str(msg: Mapping[str, Any], key: str, *, max_len: int, pattern: re.Pattern[str] | None = None) -> str:

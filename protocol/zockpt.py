@@ -3,10 +3,16 @@
 Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
 
     joiner                                   holder
-    {t: "ckpt?", v: 1, run}        ───────▶
-                                   ◀─────── {t: "ckpt", v: 1, round, vector, param_hash, nbytes}
-                                            then nbytes raw bytes (training/checkpoint.py file)
-                                            or {t: "none", v: 1}
+    {t: "ckpt?", v: 2, run, head}  ───────▶
+                                   ◀─────── {t: "ckpt", v: 2, round, vector, param_hash, nbytes,
+                                             sha256}
+                                            then (unless head) nbytes raw bytes (a
+                                            training/checkpoint.py safetensors file)
+                                            or {t: "none", v: 2}
+
+``sha256`` is the file's: the joiner checks it while the bytes arrive and refuses the file
+(before anything parses it) if it differs. ``head``: the header only, to compare weights
+(node/zo.py: the param-hash agreement) without fetching them.
 
 A checkpoint at round r is the weights after every logged update of rounds < r; ``vector``
 says how many entries of each peer's chain it includes. The joiner takes it only if that
@@ -17,6 +23,8 @@ would then differ from everyone's, which ``param_hash`` in the report shows; che
 hash with a second peer is left for later.
 """
 
+import contextlib
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
@@ -27,13 +35,13 @@ import trio
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, Stream
-from protocol.peers import PeerTable
 from protocol.ratelimit import UNLIMITED
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/swarmtrain/zo-ckpt/1.0.0"
-VERSION = 1
+# 2: the file's sha256 in the header (checked before parsing), head-only requests.
+VERSION = 2
 CHUNK_NBYTES = 1 << 20
 HEADER_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 600.0
@@ -48,29 +56,50 @@ class Offer:
     param_hash: str
     path: Path
     nbytes: int
+    sha256: str
+
+
+async def file_sha256(path: Path) -> str:
+    """The hash a holder announces for its file (read in a thread: files reach gigabytes)."""
+
+    def digest() -> str:
+        hasher = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK_NBYTES):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+    return await trio.to_thread.run_sync(digest)
 
 
 class ZoCheckpoints:
-    def __init__(self, host: Host, peers: PeerTable, run_id: str, *, max_nbytes: int) -> None:
+    def __init__(self, host: Host, run_id: str, *, max_nbytes: int) -> None:
         self._host = host
-        self._peers = peers
         self._run_id = run_id
         self._max_nbytes = max_nbytes
         self.offer: Offer | None = None
         """What we serve: set by the ZO rounds after the worker saved a checkpoint."""
 
     def register(self) -> None:
-        self._host.set_handler(PROTOCOL_ID, self._serve)
+        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
 
     async def fetch(self, peer_id: str, dest: Path) -> Offer | None:
         """Ask ``peer_id`` for its checkpoint and write it to ``dest``; None if it has none.
 
-        Raises ``ProtocolError``; a malformed answer (``BadMessage``) also penalizes the peer.
+        The file is written only if its bytes hash as announced (else ``BadMessage``, and
+        nothing is left at ``dest``). Raises ``ProtocolError``, already judged.
         """
-        with trio.move_on_after(TRANSFER_TIMEOUT_S) as scope:
+        return await self._ask(peer_id, dest)
+
+    async def head(self, peer_id: str) -> Offer | None:
+        """What ``peer_id`` offers (round, vector, weights hash), without the file."""
+        return await self._ask(peer_id, None)
+
+    async def _ask(self, peer_id: str, dest: Path | None) -> Offer | None:
+        with trio.move_on_after(TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S) as scope:
             stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
             try:
-                await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id})
+                await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
                 with trio.fail_after(HEADER_TIMEOUT_S):
                     header = await wire.receive(
                         stream, msg_types=frozenset({"ckpt", "none"}), version=VERSION, max_nbytes=1 << 20
@@ -82,19 +111,15 @@ class ZoCheckpoints:
                     round=wire.get_int(header, "round", lo=1, hi=1 << 40),
                     vector=wire.get_count_map(header, "vector", max_items=MAX_PEERS_IN_VECTOR, lo=1, hi=(1 << 40) - 1),
                     param_hash=wire.get_str(header, "param_hash", max_len=64, pattern=HASH_PATTERN),
-                    path=dest,
+                    path=dest or Path(),
                     nbytes=wire.get_int(header, "nbytes", lo=1, hi=self._max_nbytes),
+                    sha256=wire.get_str(header, "sha256", max_len=64, pattern=HASH_PATTERN),
                 )
-                async with await trio.open_file(dest, "wb") as out:
-                    left = offer.nbytes
-                    while left:
-                        chunk = await stream.read_exact(min(CHUNK_NBYTES, left))
-                        await out.write(chunk)
-                        left -= len(chunk)
-            except BadMessage as exc:
+                if dest is not None:
+                    await self._receive_file(stream, offer, dest)
+            except ProtocolError as exc:
                 await stream.reset()
-                if self._peers.penalize(peer_id, f"zo checkpoint: {exc}"):
-                    await self._host.disconnect(peer_id)
+                await self._host.guard.judge(peer_id, "zo checkpoint", exc)
                 raise
             except trio.TooSlowError as exc:
                 await stream.reset()
@@ -104,10 +129,27 @@ class ZoCheckpoints:
         assert scope.cancelled_caught
         raise ProtocolError(f"fetching a checkpoint from {peer_id} timed out")
 
+    @staticmethod
+    async def _receive_file(stream: Stream, offer: Offer, dest: Path) -> None:
+        """The bytes into ``dest``, hashed as they come; nothing stays there unless they match."""
+        digest = hashlib.sha256()
+        partial = dest.with_name(dest.name + ".part")
+        try:
+            async with await trio.open_file(partial, "wb") as out:
+                left = offer.nbytes
+                while left:
+                    chunk = await stream.read_exact(min(CHUNK_NBYTES, left))
+                    digest.update(chunk)
+                    await out.write(chunk)
+                    left -= len(chunk)
+            if digest.hexdigest() != offer.sha256:
+                raise BadMessage("the checkpoint's bytes do not hash as announced")
+            await trio.Path(partial).replace(dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                await trio.Path(partial).unlink()
+
     async def _serve(self, stream: Stream) -> None:
-        if self._peers.is_banned(stream.peer_id):
-            await stream.reset()
-            return
         with trio.fail_after(HEADER_TIMEOUT_S):
             request = await wire.receive(stream, msg_types=frozenset({"ckpt?"}), version=VERSION, max_nbytes=4096)
         offer = self.offer
@@ -123,7 +165,11 @@ class ZoCheckpoints:
             "vector": offer.vector,
             "param_hash": offer.param_hash,
             "nbytes": offer.nbytes,
+            "sha256": offer.sha256,
         }
+        if request.get("head") is True:
+            await wire.send(stream, "ckpt", VERSION, header)
+            return
         with trio.move_on_after(TRANSFER_TIMEOUT_S):
             # The file is never rewritten in place (one file per round), so it matches the header.
             async with await trio.open_file(offer.path, "rb") as source:

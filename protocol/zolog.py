@@ -13,41 +13,73 @@ Wire form of a batch (msgpack map): {v: 1, peer, first_seq, rounds: bytes (varin
 first round, then increments ≥ 0), g: bytes (one byte per entry), sig}. The signature is
 over msgpack(["swarmtrain/zo-log/1", run_id, peer, first_seq, rounds, g]).
 
-What ``UpdateLog.add`` refuses (``BadMessage``, nothing stored): a bad or missing
-signature (forged or unsigned), a peer that is not a member of the run, a batch whose
-entries contradict ones we hold for the same sequence numbers (equivocation), rounds that
-decrease or lie too far ahead, malformed fields. A batch we already hold adds
-nothing (a replay is harmless); a batch that starts past our next sequence number for
-that peer is kept aside (bounded) until the gap is filled by a pull.
+What ``UpdateLog.add`` refuses, nothing stored:
+- ``BadMessage``: a bad or missing signature (forged or unsigned), rounds that decrease
+  along the chain, malformed fields;
+- ``Forbidden`` (a ``BadMessage`` whose signed batch convicts its author): entries for a
+  round the run does not have, or more entries in one round than the run's steps per round
+  (one SPSA update per inner step: a flood of thousands crash-looped the worker);
+- ``Equivocation`` (convicts its author too): entries that contradict ones we hold for the
+  same sequence numbers. The two signed batches are the evidence; ``exclude`` drops the
+  author's whole chain, here and, once the evidence spread, on every node, so the weights
+  never split on who saw which batch first;
+- ``UnknownAuthor``, ``NotYet``, ``Excluded`` (not the sender's fault, nothing penalized):
+  a peer not (yet) known as a member, rounds beyond the window we accept now (our agreed
+  round plus a few: protocol/zosync.py), an author already excluded.
+A batch we already hold adds nothing (a replay is harmless); a batch that starts past our
+next sequence number for that peer is kept aside (bounded) until the gap is filled.
 
 Canonical order, the same on every peer: by round, then peer id, then sequence number.
 """
 
 import hashlib
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from protocol.errors import BadMessage
+from protocol import keys
+from protocol.errors import BadMessage, ProtocolError
 
 VERSION = 1
 DOMAIN = "swarmtrain/zo-log/1"
 MAX_BATCH = 1024
 MAX_ROUND = 1 << 40
 MAX_PENDING_PER_PEER = 16
-SIGNATURE_NBYTES = 64
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-# identity multihash (0x00, 36 bytes) of protobuf PublicKey{Type: Ed25519 (1), Data: 32 bytes}
-_ED25519_PEER_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
+SIGNATURE_NBYTES = keys.SIGNATURE_NBYTES
 
 
 class UnknownAuthor(BadMessage):
     """A batch signed by a peer we do not (yet) know as a member: not the sender's fault
     when it merely forwards it (our member list may lag), so it is skipped, not punished."""
+
+
+class NotYet(ProtocolError):
+    """Entries for rounds past the window we accept now: not stored, pulled again later."""
+
+
+class Excluded(ProtocolError):
+    """A batch of an author excluded for equivocation: skipped."""
+
+
+class Forbidden(BadMessage):
+    """A validly signed batch that breaks the run's rules: it convicts its author."""
+
+    def __init__(self, message: str, *, author: str) -> None:
+        super().__init__(message)
+        self.author = author
+
+
+class Equivocation(Forbidden):
+    """Two different signed batches for one author and sequence number: the evidence."""
+
+    def __init__(self, message: str, *, author: str, held: "Batch", other: "Batch") -> None:
+        super().__init__(message, author=author)
+        self.held = held
+        self.other = other
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -93,40 +125,8 @@ def seed_of(run_id: str, peer_id: str, round_index: int, seq: int) -> int:
     return int.from_bytes(hashlib.sha256(material).digest()[:8], "big")
 
 
-def _b58decode(text: str) -> bytes:
-    value = 0
-    for char in text:
-        digit = _B58.find(char)
-        if digit < 0:
-            raise BadMessage("peer id is not base58")
-        value = value * 58 + digit
-    raw = value.to_bytes((value.bit_length() + 7) // 8, "big")
-    return b"\0" * (len(text) - len(text.lstrip("1"))) + raw
-
-
-def _b58encode(data: bytes) -> str:
-    value = int.from_bytes(data, "big")
-    out = ""
-    while value:
-        value, digit = divmod(value, 58)
-        out = _B58[digit] + out
-    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
-
-
-def public_key_of(peer_id: str) -> Ed25519PublicKey:
-    """The ed25519 key inside a peer id (``BadMessage`` for other kinds of id)."""
-    if len(peer_id) > 64:
-        raise BadMessage("peer id too long")
-    raw = _b58decode(peer_id)
-    if len(raw) != len(_ED25519_PEER_PREFIX) + 32 or not raw.startswith(_ED25519_PEER_PREFIX):
-        raise BadMessage("peer id does not hold an ed25519 key")
-    return Ed25519PublicKey.from_public_bytes(raw[len(_ED25519_PEER_PREFIX) :])
-
-
-def peer_id_of(seed: bytes) -> str:
-    """The peer id of a node key seed (the same as libp2p's, without importing libp2p)."""
-    public = Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes_raw()
-    return _b58encode(_ED25519_PEER_PREFIX + public)
+public_key_of = keys.public_key_of
+peer_id_of = keys.peer_id_of
 
 
 def _encode_rounds(rounds: tuple[int, ...]) -> bytes:
@@ -162,9 +162,8 @@ def _decode_rounds(data: bytes, count: int) -> tuple[int, ...]:
     return tuple(rounds)
 
 
-def _signed_bytes(run_id: str, peer_id: str, first_seq: int, rounds: bytes, g_codes: bytes) -> bytes:
-    body: bytes = msgpack.packb([DOMAIN, run_id, peer_id, first_seq, rounds, g_codes], use_bin_type=True)
-    return body
+def _signed_fields(run_id: str, peer_id: str, first_seq: int, rounds: bytes, g_codes: bytes) -> list[Any]:
+    return [run_id, peer_id, first_seq, rounds, g_codes]
 
 
 def sign_batch(seed: bytes, run_id: str, first_seq: int, rounds: list[int], g_codes: bytes) -> Batch:
@@ -175,9 +174,7 @@ def sign_batch(seed: bytes, run_id: str, first_seq: int, rounds: list[int], g_co
         raise ValueError("rounds must be non-negative and never decrease")
     peer_id = peer_id_of(seed)
     encoded = _encode_rounds(tuple(rounds))
-    signature = Ed25519PrivateKey.from_private_bytes(seed).sign(
-        _signed_bytes(run_id, peer_id, first_seq, encoded, g_codes)
-    )
+    signature = keys.sign(seed, DOMAIN, _signed_fields(run_id, peer_id, first_seq, encoded, g_codes))
     return Batch(peer_id, first_seq, tuple(rounds), bytes(g_codes), signature)
 
 
@@ -198,23 +195,43 @@ def decode_batch(raw: bytes, run_id: str) -> Batch:
         raise BadMessage("rounds, g and sig must be bytes")
     if not 0 < len(g_codes) <= MAX_BATCH or len(sig) != SIGNATURE_NBYTES:
         raise BadMessage("batch size or signature length out of range")
-    try:
-        public_key_of(peer).verify(sig, _signed_bytes(run_id, peer, first_seq, rounds, g_codes))
-    except InvalidSignature as exc:
-        raise BadMessage(f"bad signature on a batch claiming to be from {peer}") from exc
+    keys.verify(peer, sig, DOMAIN, _signed_fields(run_id, peer, first_seq, rounds, g_codes))
     return Batch(peer, first_seq, _decode_rounds(rounds, len(g_codes)), g_codes, sig)
+
+
+def _tail_count(chain: list[Entry], round_index: int) -> int:
+    """Entries of ``round_index`` at the end of a chain (rounds never decrease along it)."""
+    count = 0
+    for entry in reversed(chain):
+        if entry.round != round_index:
+            break
+        count += 1
+    return count
 
 
 class UpdateLog:
     """Every peer's entries we hold, each chain contiguous from seq 0, plus the batches that
     carried them (to serve pulls with the original signatures)."""
 
-    def __init__(self, run_id: str, *, is_member: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        is_member: Callable[[str], bool],
+        rounds: int = MAX_ROUND,
+        max_per_round: int = MAX_BATCH,
+    ) -> None:
         self.run_id = run_id
         self._is_member = is_member
+        self._rounds = rounds
+        self._max_per_round = max_per_round
         self._chains: dict[str, list[Entry]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        """Per author, a running hash of its chain: [i] covers entries 0..i (8 bytes each)."""
         self._batches: dict[str, list[Batch]] = {}
         self._pending: dict[str, dict[int, Batch]] = {}
+        self.excluded: dict[str, tuple[Batch, Batch]] = {}
+        """Author → the two signed batches that convicted it of equivocation."""
 
     def next_seq(self, peer_id: str) -> int:
         return len(self._chains.get(peer_id, ()))
@@ -227,6 +244,13 @@ class UpdateLog:
     def max_round(self) -> int:
         return max((chain[-1].round for chain in self._chains.values() if chain), default=-1)
 
+    def agreed_round(self) -> int:
+        """The round the authors we hold have reached, robustly: the lower median over
+        authors of (their newest round + 1). One author claiming a far round moves it not
+        at all (today's main started joiners at the largest round anyone claimed)."""
+        ends = sorted(chain[-1].round + 1 for chain in self._chains.values() if chain)
+        return ends[(len(ends) - 1) // 2] if ends else 0
+
     def count_below(self, round_index: int) -> dict[str, int]:
         """Per peer, how many of its entries have rounds < ``round_index`` (peers with none left out)."""
         counts = {p: sum(1 for e in chain if e.round < round_index) for p, chain in self._chains.items()}
@@ -236,32 +260,76 @@ class UpdateLog:
         """How many entries we hold per peer: what a pull asks beyond."""
         return {peer: len(chain) for peer, chain in self._chains.items()}
 
+    def chain_hash(self, peer_id: str, length: int | None = None) -> bytes:
+        """8 bytes naming a peer's first ``length`` entries (all we hold by default): two nodes
+        with the same count and another hash hold different signed batches (equivocation)."""
+        hashes = self._hashes.get(peer_id, [])
+        length = len(hashes) if length is None else length
+        return hashes[length - 1] if 0 < length <= len(hashes) else b""
+
     def add(self, batch: Batch, *, max_round: int) -> list[Entry]:
         """Take a verified batch; returns the entries that are new (in chain order)."""
-        if not self._is_member(batch.peer_id):
-            raise UnknownAuthor(f"{batch.peer_id} is not a member of run {self.run_id}")
+        author = batch.peer_id
+        if author in self.excluded:
+            raise Excluded(f"{author} was excluded for equivocation")
+        if not self._is_member(author):
+            raise UnknownAuthor(f"{author} is not a member of run {self.run_id}")
+        if batch.rounds[-1] >= self._rounds:
+            raise Forbidden(
+                f"{author} signed an entry for round {batch.rounds[-1]}; the run has {self._rounds}", author=author
+            )
         if batch.rounds[-1] > max_round:
-            raise BadMessage(f"entry for round {batch.rounds[-1]}, beyond {max_round}")
-        chain = self._chains.setdefault(batch.peer_id, [])
+            raise NotYet(f"entry for round {batch.rounds[-1]}, beyond {max_round} for now")
+        chain = self._chains.setdefault(author, [])
         entries = batch.entries()
         overlap = [e for e in entries if e.seq < len(chain)]
-        if any(chain[e.seq] != e for e in overlap):
-            raise BadMessage(f"{batch.peer_id} signed two different entries for one sequence number")
+        conflict = next((e for e in overlap if chain[e.seq] != e), None)
+        if conflict is not None:
+            held = next(b for b in self._batches[author] if b.first_seq <= conflict.seq < b.first_seq + len(b.g_codes))
+            raise Equivocation(
+                f"{author} signed two different entries for sequence number {conflict.seq}",
+                author=author,
+                held=held,
+                other=batch,
+            )
         if batch.first_seq > len(chain):
-            pending = self._pending.setdefault(batch.peer_id, {})
+            pending = self._pending.setdefault(author, {})
             if len(pending) < MAX_PENDING_PER_PEER:
                 pending[batch.first_seq] = batch
             return []
         fresh = [e for e in entries if e.seq >= len(chain)]
         if fresh and chain and fresh[0].round < chain[-1].round:
-            raise BadMessage(f"{batch.peer_id}'s rounds decrease along its chain")
-        chain.extend(fresh)
+            raise BadMessage(f"{author}'s rounds decrease along its chain")
         if fresh:
-            self._batches.setdefault(batch.peer_id, []).append(batch)
-        waiting = self._pending.get(batch.peer_id, {}).pop(len(chain), None)
+            per_round = Counter(e.round for e in fresh)
+            for round_index, count in per_round.items():
+                held_in_round = _tail_count(chain, round_index)
+                if held_in_round + count > self._max_per_round:
+                    raise Forbidden(
+                        f"{author} signed {held_in_round + count} entries for round {round_index};"
+                        f" the run allows {self._max_per_round}",
+                        author=author,
+                    )
+        chain.extend(fresh)
+        hashes = self._hashes.setdefault(author, [])
+        for entry in fresh:
+            previous = hashes[-1] if hashes else b""
+            hashes.append(hashlib.sha256(previous + f"{entry.round}:{entry.g_code}".encode()).digest()[:8])
+        if fresh:
+            self._batches.setdefault(author, []).append(batch)
+        waiting = self._pending.get(author, {}).pop(len(chain), None)
         if waiting is not None:
             fresh += self.add(waiting, max_round=max_round)
         return fresh
+
+    def exclude(self, author: str, evidence: tuple[Batch, Batch]) -> bool:
+        """Drop an equivocating author's chain for good; True if it was not excluded yet."""
+        if author in self.excluded:
+            return False
+        self.excluded[author] = evidence
+        for table in (self._chains, self._hashes, self._batches, self._pending):
+            table.pop(author, None)
+        return True
 
     def batches_after(self, peer_id: str, seq: int) -> list[Batch]:
         """The stored batches that hold entries ``seq``… of a peer (to answer a pull)."""
@@ -270,3 +338,71 @@ class UpdateLog:
     def ordered(self, *, below_round: int) -> Iterator[Entry]:
         """Every entry we hold for rounds < ``below_round``, in the canonical order."""
         return iter(sorted(e for chain in self._chains.values() for e in chain if e.round < below_round))
+
+
+# Robust |g| (every node computes the same from the log alone: it decides the weights).
+# g travels as a log-scale level (training/zo.py: 12 levels an octave). Over the previous
+# ROBUST_WINDOW_ROUNDS rounds of the log, the lower median level of all non-zero entries
+# is the run's scale; an entry above it by more than CLIP_LEVELS (2 octaves: 4×) is
+# clipped to that, and an author whose own median sits more than AUTHOR_LEVELS above the
+# run's (2.5 octaves: 5.7×) counts zero for the round: a flood of huge g weighs no more
+# than a few honest updates. Honest levels are spread wide (SPSA on one batch: measured on
+# micro, 4 nodes, H = 5, σ ≈ 19 levels around a median of 93, 28 to 119), and with
+# staggered starts an honest author's median strayed 12 levels from the run's; 30 and
+# MIN_AUTHOR_SAMPLES = 16 leave a wide margin while a saturating flood (level 127) still
+# counts zero. Below MIN_SAMPLES entries (the first rounds) nothing is changed.
+ROBUST_WINDOW_ROUNDS = 4
+MIN_SAMPLES = 32
+MIN_AUTHOR_SAMPLES = 16
+CLIP_LEVELS = 24
+AUTHOR_LEVELS = 30
+_LEVEL_MASK = 0x7F
+_SIGN = 0x80
+
+
+def _lower_median(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass(frozen=True, slots=True)
+class Robust:
+    """The codes to apply, in the order of the entries given, and what was changed."""
+
+    codes: list[int]
+    clipped: int
+    silenced: int
+    silenced_authors: frozenset[str]
+
+
+def robust_codes(entries: list[Entry]) -> Robust:
+    """Each entry's applied g code (entries in the canonical order, oldest rounds first)."""
+    codes: list[int] = []
+    clipped = silenced = 0
+    silenced_authors: set[str] = set()
+    window: list[list[tuple[str, int]]] = []
+    for _, group in itertools.groupby(entries, key=lambda e: e.round):
+        members = list(group)
+        levels = [level for rnd in window for _, level in rnd if level]
+        scale = _lower_median(levels) if len(levels) >= MIN_SAMPLES else None
+        by_author: dict[str, list[int]] = {}
+        for rnd in window:
+            for author, level in rnd:
+                if level:
+                    by_author.setdefault(author, []).append(level)
+        for entry in members:
+            code = entry.g_code
+            level = code & _LEVEL_MASK
+            if scale is not None and level:
+                own = by_author.get(entry.peer_id, [])
+                if len(own) >= MIN_AUTHOR_SAMPLES and _lower_median(own) > scale + AUTHOR_LEVELS:
+                    code = 0
+                    silenced += 1
+                    silenced_authors.add(entry.peer_id)
+                elif level > scale + CLIP_LEVELS:
+                    code = (code & _SIGN) | (scale + CLIP_LEVELS)
+                    clipped += 1
+            codes.append(code)
+        window.append([(e.peer_id, e.g_code & _LEVEL_MASK) for e in members])
+        del window[:-ROBUST_WINDOW_ROUNDS]
+    return Robust(codes, clipped, silenced, frozenset(silenced_authors))

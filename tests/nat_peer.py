@@ -14,9 +14,8 @@ from typing import Any
 import trio
 
 from protocol import exchange
-from protocol.exchange import Payload, TensorReceiver, TensorSpec
+from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.host import Host, open_host, parse_dial_addr
-from protocol.peers import PeerTable
 
 LISTEN = ["/ip4/0.0.0.0/tcp/4001"]
 STEP_TIMEOUT_S = 60.0
@@ -73,7 +72,7 @@ async def private(boot_addr: str, key: str) -> None:
         announce_addrs=[],
         preferred_peers=[boot.peer_id],
     ) as host:
-        TensorReceiver(host, PeerTable(ttl_s=60), accept, max_payload_nbytes=1 << 20, timeout_s=30).register()
+        TensorReceiver(host, accept, authorize=any_transfer, max_payload_nbytes=1 << 20, timeout_s=30).register()
         await host.connect(boot, timeout_s=10)
         with trio.fail_after(STEP_TIMEOUT_S):
             while boot.peer_id not in host.nat.status.reservations:

@@ -2,6 +2,7 @@
 continues bit for bit where it stopped."""
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -32,19 +33,29 @@ def test_tensors_and_meta_round_trip_exactly(tmp_path: Path) -> None:
 
 
 def good_bytes() -> bytes:
-    return b"".join(checkpoint.encode({"w": torch.arange(64, dtype=torch.float32)}, {"round": 1}))
+    return checkpoint.encode({"w": torch.arange(64, dtype=torch.float32)}, {"round": 1})
+
+
+def with_header(data: bytes, edit: object) -> bytes:
+    """The same file with its JSON header changed by ``edit`` (a function of the dict)."""
+    nbytes = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + nbytes])
+    edit(header)  # type: ignore[operator]
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + nbytes :]
 
 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda b: b"NOTACKPT" + b[8:], "magic"),
-        (lambda b: b[:-1], "hash"),
+        (lambda b: b[:-1], "unreadable"),
         (lambda b: b[:-4] + b"\x00\x00\x80\x7f", "hash"),  # a flipped value, e.g. an Inf
-        (lambda b: b[:8] + (1 << 30).to_bytes(4, "big") + b[12:], "does not fit"),
-        (lambda b: b[:10], "truncated"),
-        (lambda b: b[:5], "magic"),
-        (lambda b: b[:12] + b"\xc1" + b[13:], "undecodable|hash"),
+        (lambda b: (1 << 30).to_bytes(8, "little") + b[8:], "does not fit"),
+        (lambda b: b[:5], "truncated"),
+        (lambda b: b[:8] + b"\xff" + b[9:], "undecodable"),
+        (lambda b: with_header(b, lambda h: h["__metadata__"].update(format="other/1")), "not a swarmtrain"),
+        (lambda b: with_header(b, lambda h: h["__metadata__"].update(meta="[1, 2]")), "not a map"),
+        (lambda b: with_header(b, lambda h: h["w"].update(shape=[65])), "unreadable"),
     ],
 )
 def test_damaged_files_are_refused_with_the_reason(damage, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -52,11 +63,17 @@ def test_damaged_files_are_refused_with_the_reason(damage, message: str) -> None
         checkpoint.decode(damage(good_bytes()))
 
 
+def test_non_finite_values_are_never_saved(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="non-finite"):
+        checkpoint.save(tmp_path / "x.ckpt", {"w": torch.tensor([1.0, float("nan")])}, {})
+    assert not (tmp_path / "x.ckpt").exists()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=300), st.integers(min_value=0, max_value=400))
 def test_arbitrary_damage_never_escapes_as_another_error(junk: bytes, cut: int) -> None:
     data = good_bytes()
-    for candidate in (junk, checkpoint.MAGIC + junk, data[:cut] + junk, data[:cut]):
+    for candidate in (junk, data[:8] + junk, data[:cut] + junk, data[:cut]):
         with contextlib.suppress(CheckpointError):
             checkpoint.decode(candidate)
 

@@ -10,9 +10,8 @@ import trio
 from protocol import data_channel, exchange, wire
 from protocol.data_channel import DataChannel
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorReceiver, TensorSpec
+from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.host import Host, open_host, parse_dial_addr
-from protocol.peers import PeerTable
 
 pytestmark = pytest.mark.integration
 LIMIT = 1 << 20
@@ -36,7 +35,7 @@ async def pair(*, direct: bool = False) -> AsyncIterator[tuple[Host, Host, Tenso
         if channel is not None:
             await nursery.start(channel.run)
         receiver = TensorReceiver(
-            target, PeerTable(ttl_s=10), accept, max_payload_nbytes=LIMIT, timeout_s=10, channel=channel
+            target, accept, authorize=any_transfer, max_payload_nbytes=LIMIT, timeout_s=10, channel=channel
         )
         receiver.register()
         await sender.connect(parse_dial_addr(target.addrs()[0]), timeout_s=5)

@@ -57,3 +57,15 @@ def test_run_state_saves_atomically(tmp_path: Path) -> None:
     assert data_dir.load_run("r-abcdef") == b"two"
     assert [p.name for p in (tmp_path / "d" / "runs").iterdir()] == ["r-abcdef.crdt"]
     data_dir.close()
+
+
+def test_a_replaced_key_file_is_reported_not_silent(tmp_path: Path) -> None:
+    record = tmp_path / identity.RECORD_FILE
+    first = peer_id_from_seed(identity.load_or_create(tmp_path / "identity.key"))
+    assert identity.remember(record, first) is None  # first start
+    assert identity.remember(record, first) is None  # the same again
+    (tmp_path / "identity.key").unlink()
+    second = peer_id_from_seed(identity.load_or_create(tmp_path / "identity.key"))
+    warning = identity.remember(record, second)
+    assert warning is not None and first in warning and second in warning
+    assert identity.remember(record, second) is None  # said once; now this is who we are

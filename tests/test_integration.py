@@ -111,9 +111,11 @@ async def test_bad_input_is_rejected_and_the_daemon_keeps_going(short_tmp: Path)
         digest, encoded = state.digest, state.encode()
         attacks = [
             wire.frame(b"\xc1garbage"),  # not msgpack
-            wire.frame(wire.encode("sync", 99, {"run": state.run_id, "sv": b""})),  # unknown version
+            wire.frame(wire.encode("diff", sync.VERSION, {"update": b"", "sv": b""})),  # a message out of turn
             (1 << 31).to_bytes(4, "big"),  # claims a 2 GiB frame
-            wire.frame(wire.encode("sync", 1, {"run": state.run_id, "sv": b"\xff\xff\xff\xff\x0f"})),  # inflated sv
+            wire.frame(
+                wire.encode("sync", sync.VERSION, {"run": state.run_id, "sv": b"\xff\xff\xff\xff\x0f"})
+            ),  # inflated sv
         ]
         async with open_host(
             identity_seed=b"\x07" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]
@@ -124,13 +126,21 @@ async def test_bad_input_is_rejected_and_the_daemon_keeps_going(short_tmp: Path)
                 await stream.write(payload)
                 with trio.fail_after(5), pytest.raises(ProtocolError):
                     await stream.read_exact(1)  # the target resets the stream instead of answering
-            assert target.peers.penalty(attacker.peer_id) == len(attacks)  # an unknown version too
+            assert target.peers.penalty(attacker.peer_id) == len(attacks)
+            # Another version of the protocol gets one answer naming both versions, in the
+            # asker's version so it can read it; it is no misbehaviour.
+            stream = await attacker.open_stream(target.peer_id, sync.PROTOCOL_ID, timeout_s=5)
+            await stream.write(wire.frame(wire.encode("sync", 99, {"run": state.run_id, "sv": b""})))
+            with trio.fail_after(5):
+                refusal = await wire.receive(stream, msg_types=frozenset({"error"}), version=99, max_nbytes=4096)
+            assert f"version {sync.VERSION}, you speak 99" in refusal["reason"]
+            assert target.peers.penalty(attacker.peer_id) == len(attacks)
             # A garbage CRDT update inside a well-formed final message.
             stream = await attacker.open_stream(target.peer_id, sync.PROTOCOL_ID, timeout_s=5)
-            await wire.send(stream, "sync", 1, {"run": state.run_id, "sv": b"\x00"})
-            reply = await wire.receive(stream, msg_types=frozenset({"diff"}), version=1, max_nbytes=1 << 20)
+            await wire.send(stream, "sync", sync.VERSION, {"run": state.run_id, "sv": b"\x00"})
+            reply = await wire.receive(stream, msg_types=frozenset({"diff"}), version=sync.VERSION, max_nbytes=1 << 20)
             assert reply["update"]
-            await wire.send(stream, "diff", 1, {"update": b"\x01\x02\x03garbage", "sv": b""})
+            await wire.send(stream, "diff", sync.VERSION, {"update": b"\x01\x02\x03garbage", "sv": b""})
             with trio.fail_after(5), pytest.raises(ProtocolError):
                 await stream.read_exact(1)
             assert target.peers.is_banned(attacker.peer_id)
@@ -138,7 +148,7 @@ async def test_bad_input_is_rejected_and_the_daemon_keeps_going(short_tmp: Path)
             with trio.fail_after(5), pytest.raises(ProtocolError):
                 await attacker.connect(parse_dial_addr(target.host.addrs()[0]), timeout_s=5)  # type: ignore[union-attr]
                 stream = await attacker.open_stream(target.peer_id, sync.PROTOCOL_ID, timeout_s=5)
-                await wire.send(stream, "sync", 1, {"run": state.run_id, "sv": b"\x00"})
+                await wire.send(stream, "sync", sync.VERSION, {"run": state.run_id, "sv": b"\x00"})
                 await stream.read_exact(1)
             assert target.peers.penalty(attacker.peer_id) == 0 and len(attacks) + 1 >= BAN_POINTS
         assert state.digest == digest and state.encode() == encoded

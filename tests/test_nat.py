@@ -14,11 +14,10 @@ import trio
 
 from protocol import dialback, exchange, nat, wire
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorReceiver, TensorSpec
+from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
 from protocol.info import NodeInfo, ask_info, serve_info
 from protocol.pairing import Pairing
-from protocol.peers import PeerTable
 from protocol.ratelimit import RateLimit
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
@@ -101,7 +100,7 @@ async def test_tensors_never_cross_a_relay_unless_both_sides_opted_in() -> None:
         received.append(bytes(got.data))
 
     async with relay_and_two_private() as (_, a, b):
-        receiver = TensorReceiver(b, PeerTable(ttl_s=10), accept, max_payload_nbytes=1 << 20, timeout_s=10)
+        receiver = TensorReceiver(b, accept, authorize=any_transfer, max_payload_nbytes=1 << 20, timeout_s=10)
         receiver.register()
         await a.connect(circuit_only(b), timeout_s=10)
         assert a.tensor_refusal(b.peer_id) is not None
@@ -118,7 +117,7 @@ async def test_tensors_never_cross_a_relay_unless_both_sides_opted_in() -> None:
 
 async def test_pairing_never_asks_or_accepts_a_relayed_peer() -> None:
     async with relay_and_two_private() as (_, a, b), trio.open_nursery() as nursery:
-        pairings = [Pairing(h, send_timeout_s=5) for h in (a, b)]
+        pairings = [Pairing(h, send_timeout_s=5, is_member=lambda _: True) for h in (a, b)]
         for pairing in pairings:
             await nursery.start(pairing.run)
         await a.connect(circuit_only(b), timeout_s=10)
@@ -148,9 +147,19 @@ async def test_a_relay_offers_slots_only_while_it_is_public() -> None:
 async def test_dial_back_finds_a_loopback_node_public() -> None:
     auto = nat.NatPolicy(hole_punch=False)
     async with host(6, auto) as server, host(7, auto) as client:
+        client.nat.prefer([server.peer_id])  # one voice is enough only from our bootstrap, alone
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         assert await client.nat.check_reachability(client) == "public"
         assert client.nat.status.observed_ip == "127.0.0.1"
+
+
+async def test_peers_on_one_ip_dial_us_back_as_one_voice_not_enough_to_be_public() -> None:
+    auto = nat.NatPolicy(hole_punch=False)
+    async with host(12, auto) as first, host(13, auto) as second, host(14, auto) as client:
+        for server in (first, second):
+            await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        assert await client.nat.check_reachability(client) == "unknown"  # both on 127.0.0.1
+        assert client.nat.status.observed_ip == "127.0.0.1"  # they did dial us back
 
 
 async def ask(client: Host, server: Host, fields: dict[str, object]) -> dict[str, object]:

@@ -9,7 +9,6 @@ import trio
 from protocol.exchange import TensorReceiver
 from protocol.host import Host, open_host, parse_dial_addr
 from protocol.pairing import Pairing
-from protocol.peers import PeerTable
 
 pytestmark = pytest.mark.integration
 NBYTES = 4096
@@ -24,10 +23,10 @@ async def nodes(count: int) -> AsyncIterator[list[tuple[Host, Pairing]]]:
             host = await stack.enter_async_context(
                 open_host(identity_seed=bytes([i + 1]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
             )
-            pairing = Pairing(host, send_timeout_s=10)
+            pairing = Pairing(host, send_timeout_s=10, is_member=lambda _: True)
             await nursery.start(pairing.run)
             TensorReceiver(
-                host, PeerTable(ttl_s=60), pairing.accept_payload, max_payload_nbytes=1 << 20, timeout_s=10
+                host, pairing.accept_payload, authorize=pairing.authorize, max_payload_nbytes=1 << 20, timeout_s=10
             ).register()
             out.append((host, pairing))
         for i, (host, _) in enumerate(out):
@@ -89,7 +88,7 @@ async def test_a_payload_that_beats_its_accept_is_kept() -> None:
     from protocol.exchange import Payload, TensorSpec
     from protocol.pairing import PAYLOAD_NAME, _Round
 
-    pairing = Pairing(None, send_timeout_s=1)  # type: ignore[arg-type]  # the host is not used here
+    pairing = Pairing(None, send_timeout_s=1, is_member=lambda _: True)  # type: ignore[arg-type]  # the host is not used here
     inbox = memoryview(bytearray(NBYTES))
     pairing._round = _Round(0, memoryview(bytearray(NBYTES)), inbox, asking="asked-peer")
     data = bytes([7]) * NBYTES

@@ -2,7 +2,7 @@
 
 import trio
 
-from protocol.peers import BAN_POINTS, BAN_S, PeerTable
+from protocol.peers import BAN_POINTS, BAN_S, PENALTY_DECAY_S, PeerTable
 
 
 async def test_peer_expires_after_ttl(autojump_clock: trio.testing.MockClock) -> None:
@@ -53,3 +53,15 @@ async def test_changes_wake_waiters(autojump_clock: trio.testing.MockClock) -> N
         await trio.testing.wait_all_tasks_blocked()
         table.seen("a")
     assert woke.is_set()
+
+
+async def test_penalties_are_forgiven_slowly_so_rare_slips_never_ban(autojump_clock: trio.testing.MockClock) -> None:
+    table = PeerTable(ttl_s=3.0)
+    for _ in range(3 * BAN_POINTS):  # a slip every decay period: never a ban
+        assert table.penalize("a", "timed out") is False
+        await trio.sleep(PENALTY_DECAY_S)
+    assert table.penalty("a") == 0
+    for _ in range(BAN_POINTS - 1):  # a burst still bans
+        table.penalize("a", "garbage")
+    await trio.sleep(PENALTY_DECAY_S / 2)
+    assert table.penalize("a", "garbage") is True

@@ -1,19 +1,22 @@
-"""The run document: merging, validation before anything is applied, and the digest."""
+"""The run document: signed records, merging, validation before anything is applied, the view."""
 
 import contextlib
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pycrdt import Array, Doc, Map
+from pycrdt import Array, Doc, Map, Text
 
-from protocol.errors import BadMessage
-from protocol.state import Manifest, MemberRecord, RunState
+from protocol import keys
+from protocol.errors import BadMessage, UnsupportedVersion
+from protocol.state import MAX_DOC_NBYTES, Manifest, MemberRecord, Overfull, RunState, sign_member
 
 RUN = "demo-abc123"
-PEER_A = "12D3KooWRQR6dEJXaYFpJcVNJ2gCWNScK5th5Cp4oFTyJnM2bvKx"
-PEER_B = "12D3KooWN85xJLVT8U5HnyLGAebBCVpaQXmtoxP3x5Ljc2yGJZJm"
+SEED_A, SEED_B, SEED_C = b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32
+PEER_A, PEER_B, PEER_C = (keys.peer_id_of(s) for s in (SEED_A, SEED_B, SEED_C))
+SEEDS = {PEER_A: SEED_A, PEER_B: SEED_B, PEER_C: SEED_C}
 
 
 def member(peer_id: str, **changes: Any) -> MemberRecord:
@@ -24,9 +27,10 @@ def member(peer_id: str, **changes: Any) -> MemberRecord:
         "device": "cpu",
         "memory_nbytes": 8 << 30,
         "joined_at": 1.7e9,
+        "seq": 1,
     }
     fields.update(changes)
-    return MemberRecord(**fields)
+    return sign_member(MemberRecord(**fields), SEEDS[peer_id], RUN)
 
 
 def manifest() -> Manifest:
@@ -35,7 +39,7 @@ def manifest() -> Manifest:
 
 def populated() -> RunState:
     state = RunState(RUN)
-    state.create_manifest(manifest())
+    state.create_manifest(manifest(), SEED_A)
     state.put_member(member(PEER_A))
     return state
 
@@ -43,6 +47,22 @@ def populated() -> RunState:
 def sync(a: RunState, b: RunState) -> None:
     a.apply_remote(b.diff(a.state_vector()))
     b.apply_remote(a.diff(b.state_vector()))
+
+
+def raw(record: MemberRecord) -> dict[str, Any]:
+    value = asdict(record)
+    value["addrs"] = list(record.addrs)
+    return value
+
+
+def hostile(build: Any, base: RunState | None = None) -> bytes:
+    """An update a peer wrote by hand (optionally on top of ``base``'s document)."""
+    doc: Doc[Any] = Doc()
+    if base is not None:
+        doc.apply_update(base.encode())
+    before = doc.get_state()
+    build(doc)
+    return bytes(doc.get_update(before if base is not None else None))
 
 
 def test_two_docs_converge_and_digests_match() -> None:
@@ -65,43 +85,115 @@ def test_applying_the_same_update_twice_changes_nothing() -> None:
     assert b.num_changes == changes
 
 
-def test_manifest_is_written_once() -> None:
+def test_manifest_is_written_once_and_only_by_its_creator() -> None:
     state = populated()
     with pytest.raises(ValueError, match="already has a manifest"):
-        state.create_manifest(manifest())
+        state.create_manifest(manifest(), SEED_A)
+    with pytest.raises(ValueError, match="creator"):
+        RunState(RUN).create_manifest(manifest(), SEED_B)
+
+
+def test_records_are_signed_by_their_member_only() -> None:
+    with pytest.raises(ValueError, match="signed by the member"):
+        sign_member(member(PEER_B), SEED_A, RUN)
+    with pytest.raises(BadMessage, match="signature"):
+        RunState(RUN).put_member(replace(member(PEER_B), role="observer"))  # changed after signing
 
 
 def test_saved_document_restores_the_same_state() -> None:
     a = populated()
     restored = RunState(RUN)
     restored.load(a.encode())
-    assert restored.digest == a.digest
+    assert restored.digest == a.digest and restored.members == a.members
 
 
-def _hostile(build: Any) -> bytes:
-    doc: Doc[Any] = Doc()
-    build(doc)
-    return bytes(doc.get_update())
+def test_a_newer_record_replaces_the_older_one() -> None:
+    a, b = populated(), RunState(RUN)
+    b.apply_remote(a.encode())
+    a.put_member(member(PEER_A, seq=2, addrs=("/ip4/10.0.0.1/tcp/1",)))
+    sync(a, b)
+    assert b.members[PEER_A].seq == 2 and b.members[PEER_A].addrs == ("/ip4/10.0.0.1/tcp/1",)
+
+
+def test_concurrent_writes_of_one_record_settle_on_the_newest_after_a_restore() -> None:
+    # Two nodes write A's record at once (A a newer one, B restoring an older one it held):
+    # the CRDT keeps one of them by client id, maybe the older. The author then finds its
+    # record stale and writes it again, after the other: the newest wins everywhere.
+    a, b = populated(), RunState(RUN)
+    b.apply_remote(a.encode())
+    a.put_member(member(PEER_A, seq=2))
+    b.apply_remote(hostile(lambda d: d.get("members", type=Map).__setitem__(PEER_A, raw(member(PEER_A))), b))
+    sync(a, b)
+    for state in (a, b):
+        for update in [state.restore(state.stale())]:
+            for other in (a, b):
+                if update:
+                    other.apply_remote(update)
+    sync(a, b)
+    assert a.members[PEER_A].seq == b.members[PEER_A].seq == 2
+    assert a.digest == b.digest and a.stale() == b.stale() == []
+
+
+def test_a_replayed_older_record_changes_nothing_in_the_view_and_is_restored() -> None:
+    state = populated()
+    state.put_member(member(PEER_A, seq=5))
+    old = member(PEER_A, seq=1)  # genuinely signed, but superseded
+    state.apply_remote(hostile(lambda d: d.get("members", type=Map).__setitem__(PEER_A, raw(old)), state))
+    assert state.members[PEER_A].seq == 5
+    assert state.stale() == [PEER_A]
+    fresh = RunState(RUN)
+    fresh.apply_remote(state.encode())
+    assert fresh.members[PEER_A].seq == 1  # what the document now says...
+    fresh.apply_remote(state.diff(fresh.state_vector()))
+    fresh.apply_remote(state.restore(state.stale()))  # ...until the newest record is written back
+    assert fresh.members[PEER_A].seq == 5 and state.stale() == []
+
+
+def test_a_delete_by_anyone_changes_nothing_in_the_view_and_is_restored() -> None:
+    state = populated()
+    state.put_member(member(PEER_B))
+    state.apply_remote(hostile(lambda d: d.get("members", type=Map).pop(PEER_B), state))
+    assert PEER_B in state.members and state.stale() == [PEER_B]
+    restore = state.restore([PEER_B])
+    assert restore and state.stale() == []
+    fresh = RunState(RUN)
+    fresh.apply_remote(state.encode())
+    assert PEER_B in fresh.members
+
+
+def test_evicted_records_leave_the_view_until_a_newer_one_comes() -> None:
+    state = populated()
+    state.put_member(member(PEER_B))
+    state.evict([PEER_B])
+    assert PEER_B not in state.members and state.stale() == []
+    fresh = RunState(RUN)
+    fresh.apply_remote(state.encode())
+    assert PEER_B not in fresh.members  # gone from the document too: newcomers never see it
+    newer = raw(member(PEER_B, seq=9))  # written by its author after syncing, as authors do
+    state.apply_remote(hostile(lambda d: d.get("members", type=Map).__setitem__(PEER_B, newer), state))
+    assert state.members[PEER_B].seq == 9
 
 
 HOSTILE = {
     "unknown root": lambda d: d.get("evil", type=Array).append(1),
-    "member key mismatch": lambda d: d.get("members", type=Map).__setitem__(
-        PEER_B, {**vars_of(member(PEER_A)), "addrs": []}
+    "members root is an array": lambda d: d.get("members", type=Array).append("x" * 100),
+    "members root is text": lambda d: d.get("members", type=Text).insert(0, "x" * 100),
+    "manifest root is an array": lambda d: d.get("manifest", type=Array).append(1),
+    "forged member": lambda d: d.get("members", type=Map).__setitem__(
+        PEER_B, {**raw(member(PEER_B)), "role": "observer"}
     ),
+    "member signed by another": lambda d: d.get("members", type=Map).__setitem__(
+        PEER_B, {**raw(member(PEER_B)), "sig": member(PEER_C).sig}
+    ),
+    "member unsigned": lambda d: d.get("members", type=Map).__setitem__(PEER_B, {**raw(member(PEER_B)), "sig": b""}),
+    "member key mismatch": lambda d: d.get("members", type=Map).__setitem__(PEER_B, raw(member(PEER_C))),
     "member missing field": lambda d: d.get("members", type=Map).__setitem__(PEER_B, {"peer_id": PEER_B}),
-    "member bad role": lambda d: d.get("members", type=Map).__setitem__(
-        PEER_B, {**vars_of(member(PEER_B)), "addrs": [], "role": "king"}
-    ),
+    "member bad role": lambda d: d.get("members", type=Map).__setitem__(PEER_B, raw(member(PEER_B, role="king"))),
     "member huge memory": lambda d: d.get("members", type=Map).__setitem__(
-        PEER_B, {**vars_of(member(PEER_B)), "addrs": [], "memory_nbytes": 1e300}
+        PEER_B, {**raw(member(PEER_B)), "memory_nbytes": 1e300}
     ),
     "member not a map": lambda d: d.get("members", type=Map).__setitem__(PEER_B, "hello"),
 }
-
-
-def vars_of(record: Any) -> dict[str, Any]:
-    return {name: getattr(record, name) for name in record.__slots__}
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -109,36 +201,84 @@ def test_hostile_updates_are_rejected_and_change_nothing(case: str) -> None:
     state = populated()
     before_digest, before_doc = state.digest, state.encode()
     with pytest.raises(BadMessage):
-        state.apply_remote(_hostile(HOSTILE[case]))
+        state.apply_remote(hostile(HOSTILE[case]))
     assert state.digest == before_digest
     assert state.encode() == before_doc
+
+
+def test_a_forged_manifest_is_rejected() -> None:
+    state = RunState(RUN)
+    state.put_member(member(PEER_A))
+    before = state.encode()
+    genuine = populated()
+    forged = hostile(lambda d: d.get("manifest", type=Map).__setitem__("rounds", 10_000), genuine)
+    victim = RunState(RUN)
+    with pytest.raises(BadMessage, match="signature"):
+        victim.apply_remote(genuine.encode())
+        victim.apply_remote(forged)
+    assert state.encode() == before
 
 
 def test_manifest_of_another_run_is_rejected() -> None:
     state = RunState(RUN)
     state.put_member(member(PEER_A))
     before = state.encode()
-    other = _hostile(lambda d: d.get("manifest", type=Map).update({**vars_of(manifest()), "run_id": "other-abc123"}))
-    with pytest.raises(BadMessage, match="another run"):
-        state.apply_remote(other)
+    other_run = RunState("other-abc123")
+    other_run.create_manifest(replace(manifest(), run_id="other-abc123"), SEED_A)
+    with pytest.raises(BadMessage):
+        state.apply_remote(other_run.encode())
     assert state.encode() == before
     assert state.manifest is None
+
+
+def test_a_document_of_another_format_is_refused_naming_both() -> None:
+    old = hostile(lambda d: d.get("manifest", type=Map).update({**asdict(manifest()), "version": 2}))
+    with pytest.raises(UnsupportedVersion, match="format 2; this node reads format 3"):
+        RunState(RUN).apply_remote(old)
+
+
+def test_past_the_byte_cap_an_update_is_refused_without_blame() -> None:
+    state = populated()
+    long_addrs = tuple(f"/dns4/{'x' * 230}.example/tcp/{i}" for i in range(16))  # ≈ 4 KiB a record
+    half = MAX_DOC_NBYTES // 2 // 4000
+
+    def fill(start: int) -> Any:
+        records = []
+        for i in range(start, start + half):
+            seed = i.to_bytes(4, "big") * 8
+            record = MemberRecord(keys.peer_id_of(seed), long_addrs, "trainer", "cpu", 1, 1.7e9, 1)
+            records.append(raw(sign_member(record, seed, RUN)))
+
+        def build(doc: Doc[Any]) -> None:
+            members = doc.get("members", type=Map)
+            with doc.transaction():
+                for record in records:
+                    members[record["peer_id"]] = record
+
+        return build
+
+    assert state.apply_remote(hostile(fill(0), state))  # under the cap: taken
+    before = state.encode()
+    with pytest.raises(Overfull):
+        state.apply_remote(hostile(fill(half), state))  # each update is fine; together, too much
+    assert not isinstance(Overfull("x"), BadMessage)  # the guard does not penalize it
+    assert state.encode() == before and len(state.members) == half + 1
 
 
 @pytest.mark.parametrize("data", [b"\xd9\x94\xcew\x01,Y^\xd3", b"\x80\x80\x80\x80\x01"])
 def test_inflated_counts_are_refused_before_pycrdt_allocates(data: bytes) -> None:
     # Found by Hypothesis: yrs reserves memory for the declared count (≈500 MB for 9 bytes).
     state = populated()
-    with pytest.raises(BadMessage, match="declares"):
+    with pytest.raises(BadMessage, match="exceeds"):
         state.apply_remote(data)
-    with pytest.raises(BadMessage, match="declares"):
+    with pytest.raises(BadMessage, match="exceeds"):
         state.diff(data)
 
 
 def test_concurrent_manifest_rewrite_is_rejected() -> None:
     state = populated()
     rival = RunState(RUN)
-    rival.create_manifest(Manifest(run_id=RUN, name="mine", creator=PEER_B, created_at=1.8e9))
+    rival.create_manifest(replace(manifest(), name="mine", creator=PEER_B, created_at=1.8e9), SEED_B)
     before = state.encode()
     try:
         state.apply_remote(rival.encode())

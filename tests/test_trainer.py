@@ -139,3 +139,46 @@ def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compressio
         assert a.apply_outer(pb) and b.apply_outer(pa)
     assert a.val_loss() < before
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("poison", "reason"),
+    [
+        ("delta x -1000", "outer gradient"),
+        ("delta x 1e30", "outer gradient"),
+        ("phi = 1e30", "weights"),
+        ("phi x 1000", "weights"),
+    ],
+)
+def test_finite_but_poisoned_payloads_are_refused(poison: str, reason: str) -> None:
+    """Finite is not enough: a stranger's Δ × −1000 destroyed the loss, φ = 1e30 the weights."""
+    a, b = trainer(0), trainer(1)
+    a.inner_steps()
+    b.inner_steps()
+    flat = b.outer_payload().view(torch.float32).clone()
+    half = flat.numel() // 2
+    if poison.startswith("delta"):
+        flat[half:] *= -1000.0 if "-1000" in poison else 1e30
+    elif poison == "phi = 1e30":
+        flat[:half] = 1e30
+    else:
+        flat[:half] *= 1000.0
+    assert bool(torch.isfinite(flat).all())
+    with pytest.raises(PayloadRejected, match=reason):
+        a.parse_payload(flat.view(torch.uint8))
+    assert a.apply_outer(flat.view(torch.uint8)) is False and a.last_rejection is not None
+    assert all(bool(torch.isfinite(p).all()) for p in a.phi)
+
+
+def test_an_honest_partner_stays_far_inside_the_bounds() -> None:
+    """The bounds (training/noloco.py) hold for honest partners with a wide margin: a partner
+    whose Δ is twice and whose φ is three updates off ours is still taken."""
+    a, b = trainer(0), trainer(1)
+    a.inner_steps()
+    b.inner_steps()
+    flat = b.outer_payload().view(torch.float32).clone()
+    half = flat.numel() // 2
+    own = a.outer_payload().view(torch.float32)
+    flat[half:] = 2 * own[half:]
+    flat[:half] = own[:half] + 3 * own[half:]
+    a.parse_payload(flat.view(torch.uint8))

@@ -135,3 +135,19 @@ def test_a_description_without_a_wan_service_is_refused() -> None:
 def test_any_description_parses_or_is_a_upnp_error(data: bytes) -> None:
     with suppress(upnp.UpnpError):
         upnp.parse_description(data, "http://10.0.0.1/")
+
+
+def test_malformed_gateway_urls_are_upnp_errors_not_crashes() -> None:
+    """Anyone on the LAN may answer SSDP: urllib's ValueError on a bad [IPv6] host or port
+    once escaped upnp's loop and ended the daemon (found by bench/fuzz.py)."""
+    from protocol import upnp
+
+    assert upnp.location_of(b"HTTP/1.1 200 OK\r\nLOCATION: http://[fe80::1/desc.xml\r\n\r\n") is None
+    assert upnp.location_of(b"HTTP/1.1 200 OK\r\nLOCATION: http://192.168.1.1:99999/d.xml\r\n\r\n") is None
+    assert upnp.location_of(b"HTTP/1.1 200 OK\r\nLOCATION: http://192.168.1.1:5000/d.xml\r\n\r\n") is not None
+    xml = (
+        b"<root><device><serviceList><service><serviceType>urn:schemas-upnp-org:service:WANIPConnection:1"
+        b"</serviceType><controlURL>http://[fe80::1/ctl</controlURL></service></serviceList></device></root>"
+    )
+    with pytest.raises(upnp.UpnpError):
+        upnp.parse_description(xml, "http://192.168.1.1:5000/desc.xml")

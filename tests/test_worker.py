@@ -47,7 +47,8 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         inbox.buf[: ready["payload_nbytes"]] = outbox.buf[: ready["payload_nbytes"]]
         await worker.send("outer_go", round=round_index, peer=True)
         outer = await receive(worker)
-        assert outer == {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
+        expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
+        assert outer == {**expected, "rejected": None, "save_error": None}
     assert losses[-1] < losses[0]
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
@@ -96,12 +97,14 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     assert (await receive(worker))["t"] == "round_done"
     inbox.buf[:nbytes] = outbox.buf[:nbytes]  # a peer in lockstep: the same payload
     await worker.send("accumulate", round=0, key="peer-b")
-    assert (await receive(worker)) == {"t": "accumulated", "v": 1, "round": 0, "ok": True}
+    assert (await receive(worker)) == {"t": "accumulated", "v": 1, "round": 0, "ok": True, "reason": None}
     inbox.buf[:nbytes] = b"\xff" * nbytes  # NaN everywhere: refused, not averaged in
     await worker.send("accumulate", round=0, key="peer-c")
-    assert (await receive(worker))["ok"] is False
+    refused = await receive(worker)
+    assert refused["ok"] is False and "NaN" in refused["reason"]
     await worker.send("outer_go", round=0, key="peer-a")
-    assert (await receive(worker)) == {"t": "outer_done", "v": 1, "round": 0, "used_peer": True}
+    expected = {"t": "outer_done", "v": 1, "round": 0, "used_peer": True, "rejected": None, "save_error": None}
+    assert (await receive(worker)) == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
@@ -178,6 +181,36 @@ async def test_zo_worker_applies_updates_saves_and_refuses_a_checkpoint_that_has
     assert (await receive(worker))["ok"] is True
     await worker.send("zo_finish")
     assert (await receive(worker))["param_hash"] == saved
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+
+
+def test_a_control_message_of_a_strange_type_is_an_ipc_error() -> None:
+    """A list as the message type once raised TypeError (unhashable) past the IpcError contract."""
+    from training import ipc
+
+    for body in (bytes.fromhex("82a17601a17490"), bytes.fromhex("82a17601a17480"), b"\x91\x01"):
+        with pytest.raises(ipc.IpcError):
+            ipc.decode(body, ipc.DAEMON_TYPES)
+
+
+async def test_a_full_disk_is_a_clear_error_and_a_retry_not_a_crash(short_tmp: Path) -> None:
+    """The first checkpoint write lands on /dev/full (ENOSPC); the worker says so, trains on,
+    and the next round's save works: no crash loop."""
+    path = short_tmp / "w.ckpt"
+    (short_tmp / "w.ckpt.tmp").symlink_to("/dev/full")
+    worker = await start_worker(algorithm="local", rounds=2, checkpoint_path=str(path))
+    assert (await receive(worker))["t"] == "ready"
+    saves = []
+    for round_index in range(2):
+        assert (await receive(worker))["t"] == "round_done"
+        await worker.send("outer_go", round=round_index, peer=False)
+        done = await receive(worker)
+        assert done["t"] == "outer_done"
+        saves.append(done["save_error"])
+    assert saves[0] is not None and "space" in saves[0].lower() and saves[1] is None
+    assert path.exists()
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0

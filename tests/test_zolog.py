@@ -87,16 +87,81 @@ def test_several_updates_in_one_round_share_a_batch_and_rounds_never_go_back() -
 
 def test_unknown_peers_far_future_rounds_and_equivocation_are_refused() -> None:
     updates = log()
-    with pytest.raises(BadMessage, match="not a member"):
+    with pytest.raises(zolog.UnknownAuthor, match="not a member"):
         updates.add(wire(zolog.sign_batch(MALLORY, RUN, 0, [1], b"\x01")), max_round=10)
-    with pytest.raises(BadMessage, match="beyond"):
+    with pytest.raises(zolog.NotYet, match="beyond"):
         updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [11], b"\x01")), max_round=10)
     assert len(updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [1, 2], b"\x01\x02")), max_round=10)) == 2
-    with pytest.raises(BadMessage, match="two different entries"):
-        updates.add(wire(zolog.sign_batch(ALICE, RUN, 1, [2], b"\x09")), max_round=10)
+    other = wire(zolog.sign_batch(ALICE, RUN, 1, [2], b"\x09"))
+    with pytest.raises(zolog.Equivocation, match="two different entries") as caught:
+        updates.add(other, max_round=10)
+    assert caught.value.author == zolog.peer_id_of(ALICE) and caught.value.other == other
+    assert zolog.sign_batch(ALICE, RUN, 0, [1, 2], b"\x01\x02") == caught.value.held
     with pytest.raises(BadMessage, match="decrease"):
         updates.add(wire(zolog.sign_batch(ALICE, RUN, 2, [1], b"\x09")), max_round=10)
     assert updates.vector() == {zolog.peer_id_of(ALICE): 2}
+
+
+def test_the_run_s_rules_convict_the_author() -> None:
+    updates = zolog.UpdateLog(RUN, is_member=MEMBERS.__contains__, rounds=5, max_per_round=3)
+    with pytest.raises(zolog.Forbidden, match="the run has 5") as caught:
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [5], b"\x01")), max_round=100)
+    assert caught.value.author == zolog.peer_id_of(ALICE)
+    updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [1, 1], b"\x01\x02")), max_round=100)
+    with pytest.raises(zolog.Forbidden, match="4 entries for round 1"):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 2, [1, 1], b"\x01\x02")), max_round=100)
+    assert updates.vector() == {zolog.peer_id_of(ALICE): 2}
+
+
+def test_the_agreed_round_is_not_the_largest_anyone_claims() -> None:
+    members = {zolog.peer_id_of(s) for s in (ALICE, BOB, MALLORY)}
+    updates = zolog.UpdateLog(RUN, is_member=members.__contains__)
+    updates.add(wire(zolog.sign_batch(ALICE, RUN, 0, [0, 1, 2], b"\x01" * 3)), max_round=10**6)
+    updates.add(wire(zolog.sign_batch(BOB, RUN, 0, [0, 1, 2, 3], b"\x01" * 4)), max_round=10**6)
+    updates.add(wire(zolog.sign_batch(MALLORY, RUN, 0, [999_000], b"\x01")), max_round=10**6)
+    assert updates.max_round() == 999_000
+    assert updates.agreed_round() == 4  # the lower median of 3, 4, 999001
+
+
+def test_an_excluded_author_leaves_the_log_and_stays_out() -> None:
+    updates = log()
+    first = wire(zolog.sign_batch(ALICE, RUN, 0, [1], b"\x01"))
+    second = wire(zolog.sign_batch(ALICE, RUN, 0, [1], b"\x02"))
+    updates.add(first, max_round=10)
+    updates.add(wire(zolog.sign_batch(BOB, RUN, 0, [1], b"\x03")), max_round=10)
+    assert updates.exclude(zolog.peer_id_of(ALICE), (first, second)) is True
+    assert updates.exclude(zolog.peer_id_of(ALICE), (first, second)) is False
+    assert [e.peer_id for e in updates.ordered(below_round=10)] == [zolog.peer_id_of(BOB)]
+    with pytest.raises(zolog.Excluded):
+        updates.add(wire(zolog.sign_batch(ALICE, RUN, 1, [2], b"\x01")), max_round=10)
+
+
+def entries(author: str, round_index: int, codes: list[int]) -> list[zolog.Entry]:
+    return [zolog.Entry(round_index, author, k, code) for k, code in enumerate(codes)]
+
+
+def test_robust_codes_clip_outliers_and_silence_a_flooding_author() -> None:
+    honest = ["a", "b", "c"]
+    log_entries: list[zolog.Entry] = []
+    for r in range(6):
+        for author in honest:
+            log_entries += entries(author, r, [60, 0x80 | 62, 58, 61] * 3)  # levels ≈ 60
+        log_entries += entries("z", r, [127] * 12)  # the flood: every g at the largest level
+    log_entries.sort()
+    robust = zolog.robust_codes(log_entries)
+    by_entry = dict(zip(log_entries, robust.codes, strict=True))
+    early = [c for e, c in by_entry.items() if e.peer_id == "z" and e.round == 0]
+    late = [c for e, c in by_entry.items() if e.peer_id == "z" and e.round >= 2]
+    assert early == [127] * 12  # round 0: no history yet, nothing known to clip against
+    # Round 1: 12 of its entries seen, fewer than MIN_AUTHOR_SAMPLES: clipped, not zeroed.
+    assert {c for e, c in by_entry.items() if e.peer_id == "z" and e.round == 1} == {61 + zolog.CLIP_LEVELS}
+    assert set(late) == {0} and robust.silenced == len(late) and robust.silenced_authors == {"z"}
+    assert all(c == e.g_code for e, c in by_entry.items() if e.peer_id != "z")  # honest ones untouched
+    # One honest outlier is clipped to 4× the scale, its sign kept. The scale is the lower
+    # median of the window's levels, the flood's included (a median shrugs off a quarter):
+    # 9 × 58, 9 × 60, 9 × 61, 9 × 62 and 12 × 127 a round → 61.
+    spike = [*log_entries, zolog.Entry(6, "a", 99, 0x80 | 120)]
+    assert zolog.robust_codes(spike).codes[-1] == 0x80 | (61 + zolog.CLIP_LEVELS)
 
 
 def test_replays_add_nothing_and_gaps_wait_for_their_fill() -> None:

@@ -23,12 +23,11 @@ async def hosts(count: int) -> AsyncIterator[list[tuple[Host, zosync.ZoLogSync]]
     async with AsyncExitStack() as stack:
         out = []
         for seed in SEEDS[:count]:
+            peers = PeerTable(ttl_s=60)
             host = await stack.enter_async_context(
-                open_host(identity_seed=seed, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+                open_host(identity_seed=seed, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[], peers=peers)
             )
-            sync = zosync.ZoLogSync(
-                host, PeerTable(ttl_s=60), zolog.UpdateLog(RUN, is_member=MEMBERS.__contains__), current_round=lambda: 0
-            )
+            sync = zosync.ZoLogSync(host, zolog.UpdateLog(RUN, is_member=MEMBERS.__contains__), current_round=lambda: 0)
             sync.register()
             out.append((host, sync))
         for i, (host, _) in enumerate(out):
@@ -40,8 +39,8 @@ async def hosts(count: int) -> AsyncIterator[list[tuple[Host, zosync.ZoLogSync]]
 async def test_a_pull_brings_every_signed_batch_beyond_our_vector() -> None:
     async with hosts(3) as [(_, a), (_, b), (_, c)]:
         for seed, first, rounds in [(SEEDS[0], 0, [1, 2]), (SEEDS[0], 2, [3]), (SEEDS[1], 0, [1, 2, 3])]:
-            a.add(zolog.sign_batch(seed, RUN, first, rounds, bytes(len(rounds))))
-        c.add(zolog.sign_batch(SEEDS[0], RUN, 0, [1, 2], b"\x00\x00"))  # c already has some
+            await a.add(zolog.sign_batch(seed, RUN, first, rounds, bytes(len(rounds))))
+        await c.add(zolog.sign_batch(SEEDS[0], RUN, 0, [1, 2], b"\x00\x00"))  # c already has some
         with trio.fail_after(30):
             assert await c.pull(a._host.peer_id) == 4
             assert await c.pull(a._host.peer_id) == 0  # nothing new the second time
@@ -62,11 +61,27 @@ async def test_a_holder_serving_a_forged_batch_is_refused_and_penalized() -> Non
         forged["g"] = b"\x7f"  # the author never signed this g
 
         async def lie(stream: Stream) -> None:
-            await wire.receive(stream, msg_types=frozenset({"want"}), version=1, max_nbytes=1 << 20)
-            await wire.send(stream, "batches", 1, {"batches": [msgpack.packb(forged)], "more": False})
+            await wire.receive(stream, msg_types=frozenset({"want"}), version=zosync.VERSION, max_nbytes=1 << 20)
+            await wire.send(stream, "batches", zosync.VERSION, {"batches": [msgpack.packb(forged)], "more": False})
 
         liar_host.set_handler(zosync.PROTOCOL_ID, lie)
         with trio.fail_after(30), pytest.raises(BadMessage, match="signature"):
             await puller.pull(liar_host.peer_id)
         assert puller.log.vector() == {}
-        assert puller._peers.penalty(liar_host.peer_id) > 0
+        assert puller._host.peers.penalty(liar_host.peer_id) > 0
+
+
+async def test_equivocation_is_evidence_the_author_is_excluded_everywhere_and_nobody_else_blamed() -> None:
+    async with hosts(3) as [(_, a), (_, b), (relay_host, relay)]:
+        one = zolog.sign_batch(SEEDS[2], RUN, 0, [1], b"\x01")
+        two = zolog.sign_batch(SEEDS[2], RUN, 0, [1], b"\x02")  # the same seq, another g
+        await a.add(one)
+        await relay.add(two)
+        with trio.fail_after(30):
+            await a.pull(relay_host.peer_id)  # a holds one, is served two: an equivocation
+        author = zolog.peer_id_of(SEEDS[2])
+        assert author in a.log.excluded and a.log.vector() == {}, a.log.vector()
+        assert a._host.peers.is_banned(author) and a._host.peers.penalty(relay_host.peer_id) == 0
+        with trio.fail_after(30):
+            await b.pull(a._host.peer_id)  # b learns the evidence from a's pull answer
+        assert author in b.log.excluded and b._host.peers.is_banned(author)

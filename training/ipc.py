@@ -9,22 +9,28 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s}
                                      (the outbox now holds φ then Δ, encoded as in training/trainer.py)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
-                                 ◀── {t: "outer_done", round, used_peer}
+                                 ◀── {t: "outer_done", round, used_peer, rejected, save_error}
+                                     (rejected: why the partner's payload was refused, or
+                                     None: the daemon penalizes a partner whose payload was;
+                                     save_error: the checkpoint could not be written, e.g. a
+                                     full disk: training goes on, retried next round)
 
     DiLoCo instead collects every live node's payload before its outer step:
     {t: "accumulate", round, key}   ──▶ (the inbox holds the payload of peer ``key``)
-                                 ◀── {t: "accumulated", round, ok}
+                                 ◀── {t: "accumulated", round, ok, reason}
     {t: "outer_go", round, key}     ──▶ (``key``: ours; Δs are averaged in key order, so
                                         every node sums in the same order, bit for bit)
     Zeroth-order runs (algorithm "zo") use no shared memory (payload_nbytes 0):
-    {t: "zo_apply", rebuild, updates: [[seed, g code], ...]} ──▶ apply logged updates in
-                                        this order (rebuild: from the genesis weights)
+    {t: "zo_apply", rebuild, updates: [[seed, g code], ...], more} ──▶ logged updates in
+                                        this order (rebuild: from the genesis weights); a
+                                        round may come in parts (more: True until its last),
+                                        applied together, once, as one summed group
     {t: "zo_go", round, seeds}   ──▶ (one update per seed, all at this round's weights)
                                  ◀── {t: "zo_step", round, g_codes, val_loss, compute_s}
     {t: "zo_finish"}             ──▶
                                  ◀── {t: "zo_done", param_hash, val_loss}
     {t: "zo_save", path, round}  ──▶ (write the weights as a checkpoint file)
-                                 ◀── {t: "zo_saved", param_hash}
+                                 ◀── {t: "zo_saved", param_hash, save_error}
     {t: "zo_load", path, param_hash} ──▶ (adopt a fetched checkpoint if it hashes right)
                                  ◀── {t: "zo_loaded", ok, reason?}
 
@@ -65,7 +71,9 @@ def decode(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
         msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise IpcError(f"undecodable control message: {exc}") from exc
-    if not isinstance(msg, dict) or msg.get("v") != VERSION or msg.get("t") not in allowed:
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise IpcError(f"unexpected control message {str(msg)[:100]}")
+    if msg.get("v") != VERSION or msg["t"] not in allowed:
         raise IpcError(f"unexpected control message {str(msg)[:100]}")
     return msg
 

@@ -21,6 +21,7 @@ ourselves alone and the γ term is skipped. With two nodes that started from the
 bitwise to heavy-ball DiLoCo, ``diloco_step``; tests check both that and the DESIGN.md fixture.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,48 @@ class OuterConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [0, 2], got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartnerBounds:
+    """How far a partner's payload may stray from our own round before it is refused.
+
+    Partners are strangers: a finite payload can still carry Δ × −1000 (measured on the
+    main before issue 12: the loss was destroyed) or φ = 1e30 (the weights went to NaN).
+    Each tensor k is measured against our own outer gradient for it, with a floor at its
+    share of our whole update (a tensor we barely moved must not refuse a partner's small
+    move): ref_k = max(‖Δ_i,k‖, ‖Δ_i‖·√(n_k / n)).
+
+    Measured between honest nodes (4 nodes, micro and tiny, H = 10-20, float32 and int8,
+    /tmp-style probe kept in docs/security.md): ‖Δ_j,k‖ / ref_k ≤ 1.74 and
+    ‖φ_j,k − φ_i,k‖ / ref_k ≤ 3.7 over every pair and round. The bounds are about four
+    times that; an honest partner far beyond them is a bug, a stranger there an attack.
+    """
+
+    max_delta_ratio: float = 8.0
+    """‖Δ_j,k‖ ≤ this × ref_k."""
+    max_phi_ratio: float = 16.0
+    """‖φ_j,k − φ_i,k‖ ≤ this × ref_k."""
+
+
+class PartnerRefused(ValueError):
+    """A partner's payload is out of bounds (``PartnerBounds``): the round goes on without it."""
+
+
+def check_partner(phi: Params, delta: Params, peer: "PeerTensors", bounds: PartnerBounds) -> None:
+    """``PartnerRefused`` naming the first tensor where ``peer`` strays beyond ``bounds``."""
+    numels = [d.numel() for d in delta]
+    total_numel = sum(numels)
+    norms = [float(torch.linalg.vector_norm(d.float())) for d in delta]
+    total = math.sqrt(sum(n * n for n in norms))
+    for k, (p, d_norm, n_k) in enumerate(zip(phi, norms, numels, strict=True)):
+        ref = max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0
+        their_delta = float(torch.linalg.vector_norm(peer.delta[k].float()))
+        if not their_delta <= bounds.max_delta_ratio * ref:
+            raise PartnerRefused(f"tensor {k}: its outer gradient is {their_delta / max(ref, 1e-30):.3g}× ours")
+        phi_gap = float(torch.linalg.vector_norm((peer.phi[k] - p).float()))
+        if not phi_gap <= bounds.max_phi_ratio * ref:
+            raise PartnerRefused(f"tensor {k}: its weights are {phi_gap / max(ref, 1e-30):.3g}× our update away")
 
 
 @dataclass(frozen=True, slots=True)

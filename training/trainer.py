@@ -27,7 +27,17 @@ import torch
 from training.checkpoint import CheckpointError
 from training.data import Shard
 from training.models import GPT
-from training.noloco import OuterConfig, Params, PeerTensors, diloco_step, noloco_step, outer_gradient
+from training.noloco import (
+    OuterConfig,
+    Params,
+    PartnerBounds,
+    PartnerRefused,
+    PeerTensors,
+    check_partner,
+    diloco_step,
+    noloco_step,
+    outer_gradient,
+)
 from training.quantize import BLOCK, dequantize, quantize
 from training.worker_config import COMPRESSIONS
 
@@ -65,6 +75,7 @@ class Trainer:
         compression: str = "none",
         device: str = "cpu",
         compile_model: bool = False,
+        bounds: PartnerBounds | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
@@ -95,6 +106,9 @@ class Trainer:
         )
         """Bytes of a payload on the wire."""
         self._sent: PeerTensors | None = None
+        self.bounds = bounds or PartnerBounds()
+        self.last_rejection: str | None = None
+        """Why the last partner payload was refused (None if it was used, or there was none)."""
 
     def inner_steps(self) -> float:
         """H AdamW steps on θ; returns the mean training loss."""
@@ -157,7 +171,12 @@ class Trainer:
                 raise PayloadRejected(str(exc)) from exc
         if not bool(torch.isfinite(flat).all()):
             raise PayloadRejected("payload holds NaN or Inf")
-        return self._split(flat)
+        peer = self._split(flat)
+        try:
+            check_partner(self.phi, outer_gradient(self.phi, self.theta()), peer, self.bounds)
+        except PartnerRefused as exc:
+            raise PayloadRejected(str(exc)) from exc
+        return peer
 
     def own_delta(self) -> Params:
         """Our Δ as partners saw it this round (dequantized when compressed)."""
@@ -178,6 +197,7 @@ class Trainer:
         outer step: φ follows θ). A rejected payload means the no-partner NoLoCo step.
         """
         used_peer = False
+        self.last_rejection = None
         if algorithm == "local":
             self.phi = [t.clone() for t in self.theta()]
         elif algorithm == "noloco":
@@ -186,13 +206,18 @@ class Trainer:
                 try:
                     peer = self.parse_payload(peer_wire)
                     used_peer = True
-                except PayloadRejected:
+                except PayloadRejected as exc:
+                    self.last_rejection = str(exc)
                     peer = None
             if peer is not None and self.compression != "none" and self._sent is None:
                 raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
-            self.phi, self.momentum = noloco_step(
-                self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent
-            )
+            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
+            if peer is not None and not all(bool(torch.isfinite(t).all()) for t in phi):
+                # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
+                self.last_rejection = "the outer step with its payload gives non-finite weights"
+                used_peer = False
+                phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
+            self.phi, self.momentum = phi, momentum
         else:
             raise ValueError(f"unknown algorithm {algorithm!r}")
         self._load_phi_into_theta()
@@ -258,7 +283,9 @@ class Trainer:
         self._load_phi_into_theta()
 
     def _load_phi_into_theta(self) -> None:
-        for param, phi in zip(self._params, self.phi, strict=True):
-            param.copy_(phi)
+        # Checked before θ takes them: non-finite weights (our own divergence) end this worker
+        # before anything is saved, and its successor resumes from the last good checkpoint.
         if not all(math.isfinite(float(p.abs().max())) for p in self.phi if p.numel()):
             raise FloatingPointError("outer step produced non-finite weights")
+        for param, phi in zip(self._params, self.phi, strict=True):
+            param.copy_(phi)

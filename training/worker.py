@@ -78,10 +78,26 @@ def resume(config: WorkerConfig, trainer: Trainer) -> None:
     logger.info("resumed from %s at round %d (step %d)", path, trainer.round, trainer.step)
 
 
-def save(config: WorkerConfig, trainer: Trainer) -> None:
-    if config.checkpoint_path is not None:
-        tensors, meta = trainer.state()
+def save(config: WorkerConfig, trainer: Trainer) -> str | None:
+    """The state after an outer step (never a non-finite one: the step refuses those first).
+
+    A failed write (a full disk, a read-only mount) is returned, not raised: training goes
+    on, the old file stays whole (the write is atomic), and the next round tries again;
+    a worker that crashed here instead would only crash again after its restart.
+    """
+    if config.checkpoint_path is None:
+        return None
+    tensors, meta = trainer.state()
+    try:
         checkpoint.save(Path(config.checkpoint_path), tensors, {**meta, "fingerprint": config.fingerprint()})
+    except OSError as exc:
+        logger.error(
+            "could not save the checkpoint %s: %s; training goes on, retried next round",
+            config.checkpoint_path,
+            exc.strerror or exc,
+        )
+        return f"{exc.strerror or exc} ({config.checkpoint_path})"
+    return None
 
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
@@ -148,10 +164,10 @@ def _rounds(
                     break
                 try:  # DiLoCo: keep this peer's Δ (checked like any partner payload)
                     collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
-                    ok = True
-                except PayloadRejected:
-                    ok = False
-                ipc.write_blocking(replies, "accumulated", round=round_index, ok=ok)
+                    refusal = None
+                except PayloadRejected as exc:
+                    refusal = str(exc)[:200]
+                ipc.write_blocking(replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal)
             if config.algorithm == "diloco":
                 collected[str(command.get("key"))] = trainer.own_delta()
                 trainer.apply_diloco([collected[key] for key in sorted(collected)])
@@ -159,14 +175,19 @@ def _rounds(
             else:
                 peer = in_view.clone() if command.get("peer") is True else None
                 used = trainer.apply_outer(peer, algorithm=config.algorithm)
-            save(config, trainer)  # before "outer_done": a round the daemon counted is never lost
-            ipc.write_blocking(replies, "outer_done", round=round_index, used_peer=used)
+            save_error = save(config, trainer)  # before "outer_done": a round the daemon counted is kept
+            rejected = trainer.last_rejection if config.algorithm == "noloco" else None
+            ipc.write_blocking(
+                replies, "outer_done", round=round_index, used_peer=used, rejected=rejected, save_error=save_error
+            )
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:
         del out_view, in_view
 
 
 MAX_UPDATES_PER_MESSAGE = 20_000
+# A round's parts together (zo_apply with more = True until the last): members × steps.
+MAX_UPDATES_PER_ROUND = 1_000_000
 
 
 def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
@@ -247,6 +268,7 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
     genesis = [p.detach().clone() for p in params]
     trainer.model.eval()
     ipc.write_blocking(replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0)
+    round_parts: list[tuple[int, int]] = []
     while True:
         command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
         kind = command["t"]
@@ -254,10 +276,17 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
             return
         if kind == "zo_apply":
             if command.get("rebuild") is True:
+                round_parts.clear()
                 with torch.no_grad():
                     for param, start in zip(params, genesis, strict=True):
                         param.copy_(start)
-            zo.apply_updates(params, _updates(command), zo_config)
+            round_parts += _updates(command)
+            if len(round_parts) > MAX_UPDATES_PER_ROUND:
+                raise ipc.IpcError(f"a round of more than {MAX_UPDATES_PER_ROUND} updates")
+            if command.get("more") is not True:  # the round's last part: apply the whole group once
+                if round_parts:
+                    zo.apply_updates(params, round_parts, zo_config)
+                round_parts = []
         elif kind == "zo_go":
             round_index, seeds = command.get("round"), command.get("seeds")
             if type(round_index) is not int or round_index < 0 or not isinstance(seeds, list) or not seeds:
@@ -268,8 +297,13 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
         elif kind == "zo_save":
             # The weights as they stand (genesis + whole rounds of the log): a checkpoint peers can fetch.
             path = Path(str(command.get("path")))
-            checkpoint.save(path, {f"param.{k}": p for k, p in enumerate(params)}, {"round": command.get("round")})
-            ipc.write_blocking(replies, "zo_saved", param_hash=zo.param_hash(params))
+            try:
+                checkpoint.save(path, {f"param.{k}": p for k, p in enumerate(params)}, {"round": command.get("round")})
+                error = None
+            except OSError as exc:  # a full disk: no checkpoint to offer this time, training goes on
+                logger.error("could not save the ZO checkpoint %s: %s", path, exc.strerror or exc)
+                error = f"{exc.strerror or exc} ({path})"
+            ipc.write_blocking(replies, "zo_saved", param_hash=zo.param_hash(params), save_error=error)
         elif kind == "zo_load":
             ipc.write_blocking(replies, "zo_loaded", **_zo_load(params, command))
         elif kind == "zo_finish":

@@ -1,0 +1,68 @@
+"""What a hostile node does, as a modified build would: shared by tests/adversarial/ and
+bench/adversarial.py. Each function turns one in-process daemon (node.daemon.Daemon) of a
+run into an attacker; nothing here ships in the daemon itself.
+
+    poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
+    never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
+    flood_batch(d, n)           ZO: one signed batch of n entries for its current round, every
+                                g the largest (n > steps per round breaks the run's rules)
+    equivocation(d)             ZO: another signed batch for its sequence numbers 0…H-1
+"""
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import trio
+
+from node.daemon import Daemon
+from node.zo import ZoRounds
+from protocol import zolog
+
+
+def poison_payloads(daemon: Daemon, scale: float) -> None:
+    assert daemon.training is not None
+    pairing = daemon.training._pairing
+    send = pairing._send
+
+    async def poisoned(partner: str, current: Any, sent: trio.Event) -> None:
+        data = np.frombuffer(bytes(current.outbox), dtype=np.float32).copy()
+        data[data.size // 2 :] *= scale
+        await send(partner, replace(current, outbox=memoryview(data.tobytes())), sent)
+
+    pairing._send = poisoned  # type: ignore[method-assign]
+
+
+def never_send(daemon: Daemon) -> None:
+    assert daemon.training is not None
+    pairing = daemon.training._pairing
+
+    def nothing(current: Any) -> None:
+        sent = trio.Event()
+        sent.set()
+        current.sends.append(sent)
+
+    pairing._start_sending = nothing  # type: ignore[method-assign]
+
+
+def zo_of(daemon: Daemon) -> ZoRounds:
+    assert daemon.training is not None and daemon.training._zo is not None, "not a ZO trainer (yet)"
+    return daemon.training._zo
+
+
+def flood_batch(daemon: Daemon, num_entries: int, *, round_index: int | None = None) -> zolog.Batch:
+    zo = zo_of(daemon)
+    seq = zo.log.next_seq(daemon.peer_id)
+    at = zo.round if round_index is None else round_index
+    return zolog.sign_batch(zo._identity_seed, zo._run_id, seq, [at] * num_entries, b"\x7f" * num_entries)
+
+
+def equivocation(daemon: Daemon, steps: int) -> zolog.Batch:
+    """Another batch for the sequence numbers of its round-0 batch (peers hold that one)."""
+    zo = zo_of(daemon)
+    return zolog.sign_batch(zo._identity_seed, zo._run_id, 0, [0] * steps, b"\x01" * steps)
+
+
+async def gossip(daemon: Daemon, batch: zolog.Batch) -> None:
+    assert daemon.run_service is not None
+    await daemon.run_service.push_zo(batch.encode())

@@ -1,0 +1,136 @@
+"""What the run's protocols need of a host, as ``typing.Protocol``s: the seam for tests.
+
+``protocol/host.py``'s ``Host`` (libp2p) and ``Stream`` satisfy these structurally; an
+in-memory network (tests/fakenet.py) does too, so RunService, StateSync and ZoLogSync run
+against either. Nothing here imports libp2p.
+
+    HostLike                       StreamLike
+    ├── peer_id, guard, peers      ├── peer_id
+    ├── set_handler, open_stream   ├── read_exact, read_into, write
+    ├── connect, disconnect,       └── close, reset
+    │   connected_peers
+    ├── publish, subscribe
+    └── punish
+
+A host keeps the boundary rule (protocol/guard.py): an inbound stream of a banned peer is
+reset unread, a handler runs under a deadline inside ``guard.run``, and every failure of a
+stream is a ``StreamError``, of a dial a ``DialError`` (protocol/errors.py).
+"""
+
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import trio
+
+from protocol.guard import Guard
+from protocol.peers import PeerTable
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddrs:
+    """A peer and the addresses it can be dialed on (multiaddr strings without /p2p)."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GossipMessage:
+    """A message received on a gossip topic; ``from_peer`` is verified by libp2p's signing."""
+
+    from_peer: str
+    data: bytes
+
+
+class StreamLike(Protocol):
+    """One bidirectional stream to a peer, with exact reads."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer at the other end."""
+        ...
+
+    async def read_exact(self, nbytes: int) -> bytes: ...
+
+    async def read_into(self, buffer: memoryview, *, chunk_nbytes: int) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None:
+        """Done writing (the peer reads the end); never raises."""
+        ...
+
+    async def reset(self) -> None:
+        """Abort both directions (the peer's reads fail); never raises."""
+        ...
+
+
+StreamLikeHandler = Callable[[StreamLike], Awaitable[None]]
+S = TypeVar("S", bound=StreamLike)
+
+
+async def serve_guarded(
+    guard: Guard, protocol_id: str, stream: S, handler: Callable[[S], Awaitable[None]], *, deadline_s: float
+) -> None:
+    """An inbound stream under the boundary rule (every host serves its streams this way):
+    a banned peer's is reset unread; the handler runs under ``deadline_s`` in the guard;
+    the stream is closed if it returned, reset if anything escaped (already judged)."""
+    if guard.banned(stream.peer_id):
+        await stream.reset()
+        return
+
+    async def bounded() -> None:
+        with trio.fail_after(deadline_s):
+            await handler(stream)
+
+    if await guard.run(stream.peer_id, protocol_id, bounded):
+        await stream.close()
+    else:
+        with trio.CancelScope(shield=True):
+            await stream.reset()
+
+
+class HostLike(Protocol):
+    """A node on the network: streams by protocol id, gossip by topic, and the guard."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def guard(self) -> Guard:
+        """The boundary rule: handlers run in it, misbehaviour is judged there."""
+        ...
+
+    @property
+    def peers(self) -> PeerTable:
+        """Liveness and penalties (the guard's table)."""
+        ...
+
+    def set_handler(self, protocol_id: str, handler: StreamLikeHandler, *, deadline_s: float = ...) -> None:
+        """Serve ``protocol_id``: each inbound stream goes to ``handler`` under the guard."""
+        ...
+
+    async def open_stream(self, peer_id: str, protocol_id: str, *, timeout_s: float) -> StreamLike:
+        """A new stream to ``peer_id``; ``StreamError`` if it cannot be opened in time."""
+        ...
+
+    async def punish(self, peer_id: str, reason: str, *, points: int = 1) -> bool:
+        """Penalize ``peer_id``'s bad input; True if it is now banned (and cut off)."""
+        ...
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Gossip ``data`` on ``topic`` (a hint: it may be lost); ``ProtocolError`` on failure."""
+        ...
+
+    def subscribe(self, topic: str) -> AsyncGenerator[GossipMessage, None]:
+        """Messages on ``topic`` from others (our own are skipped)."""
+        ...
+
+    def connected_peers(self) -> set[str]: ...
+
+    async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
+        """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure."""
+        ...
+
+    async def disconnect(self, peer_id: str) -> None: ...

@@ -1,0 +1,145 @@
+"""Where py-libp2p 0.8.1 lets one peer's bytes stop the whole daemon, and how we close it.
+
+Found by probing 0.8.1 with hostile peers on loopback (issue 12; docs/security.md has the
+list with each test). Why one bad stream is fatal there: every inbound stream's handler
+runs as a task of the Swarm's service manager, and any exception it does not expect
+(``is_expected_connection_shutdown``) cancels the whole Swarm: every connection, the
+listener, and through ``BasicHost.run`` the host and our daemon with it. Pubsub's
+``push_msg`` is likewise a task of the Pubsub service, whose failure ends the host.
+
+Global fixes (module state, applied when protocol/host.py is imported, before any host):
+1. Kademlia's protocol id: ``KadDHT(protocol_prefix=...)`` only stores the prefix; the id
+   ``/ipfs/kad/1.0.0`` is hard-coded in five modules (registration, the dials of peer
+   routing, providers and values, and the routing table's filter of peers by their
+   protocols). We set it to ``/swarmtrain/kad/1.0.0`` in all five, so our DHT never mixes
+   with the IPFS one. Test: tests/adversarial/test_libp2p.py (the id on the wire).
+2. Multiselect, which runs before every handler of every stream: ``read()`` returns
+   ``data.decode()`` and a ``UnicodeDecodeError`` escapes as no libp2p error (three
+   invalid bytes as a protocol name killed the host), and its length prefix is not capped
+   (megabytes per stream until a timeout). Now: invalid UTF-8 and names over
+   ``MAX_MULTISELECT_NBYTES`` raise ``MultiselectCommunicatorError``, which libp2p handles,
+   in both directions (``Host.open_stream`` no longer sees a bare ``UnicodeDecodeError``).
+
+Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
+3. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
+   which catches only ``MultiselectError`` around the protocol handler) runs inside our
+   guard (protocol/guard.py): a malformed protobuf on pubsub's ``/meshsub`` streams (23
+   bytes killed the daemon), a bug in any libp2p handler, resets that stream and
+   penalizes its peer instead.
+4. ``Pubsub.push_msg``: a published message whose ``key`` field is garbage makes
+   ``signature_validator`` re-raise protobuf's ``DecodeError`` in a Pubsub service task,
+   ending pubsub and the host. It runs in the guard now; the forwarder is judged.
+5. Bans that hold: ``upgrade_security`` (every inbound and outbound connection, relayed
+   ones too, passes there as soon as the peer's id is known) closes a banned peer's
+   connection before a single stream can open, in both directions.
+"""
+
+import logging
+from typing import Any
+
+import libp2p.kad_dht.common as _kad_common
+import libp2p.kad_dht.kad_dht as _kad_dht
+import libp2p.kad_dht.peer_routing as _kad_peer_routing
+import libp2p.kad_dht.provider_store as _kad_provider_store
+import libp2p.kad_dht.value_store as _kad_value_store
+import libp2p.utils.varint as _varint
+import trio
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError, ParseError
+from libp2p.io.exceptions import IOException
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
+from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.transport.exceptions import SecurityUpgradeFailure
+
+from protocol.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
+# A protocol name in multistream-select is a short path ("/swarmtrain/state/1.0.0").
+MAX_MULTISELECT_NBYTES = 1024
+
+
+def _use_our_kad_id() -> None:
+    for module in (_kad_common, _kad_dht, _kad_peer_routing, _kad_provider_store, _kad_value_store):
+        module.PROTOCOL_ID = TProtocol(KAD_PROTOCOL_ID)
+
+
+async def _multiselect_read(self: MultiselectCommunicator) -> str:
+    try:
+        data = await _varint.read_varint_prefixed_bytes_limited(self.read_writer, MAX_MULTISELECT_NBYTES)
+    except (ParseError, IOException, BaseLibp2pError) as error:
+        raise MultiselectCommunicatorError("fail to read from multiselect communicator") from error
+    if not data or data[-1:] != b"\n":
+        raise MultiselectCommunicatorError("multiselect message not delimited by a newline")
+    try:
+        return str(data[:-1].decode())
+    except UnicodeDecodeError as error:
+        raise MultiselectCommunicatorError("multiselect message is not UTF-8") from error
+
+
+_use_our_kad_id()
+MultiselectCommunicator.read = _multiselect_read
+
+
+def _peer_of(net_stream: INetStream) -> str:
+    try:
+        return str(net_stream.muxed_conn.peer_id.to_base58())
+    except (AttributeError, BaseLibp2pError, ValueError):
+        return "unknown peer"
+
+
+async def _reset(net_stream: INetStream) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await net_stream.reset()
+        except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            logger.debug("resetting a stream: %s", exc)
+
+
+def guard_host(raw_host: IHost, pubsub: Pubsub, guard: Guard) -> None:
+    """Fixes 3-5 above, for one host."""
+    network = raw_host.get_network()
+    handle_stream = network.common_stream_handler
+
+    async def guarded_stream(net_stream: INetStream) -> None:
+        peer_id = _peer_of(net_stream)
+        if guard.banned(peer_id):
+            await _reset(net_stream)
+            return
+        if not await guard.run(peer_id, "inbound stream", handle_stream, net_stream):
+            await _reset(net_stream)
+
+    network.set_stream_handler(guarded_stream)
+
+    push_msg = pubsub.push_msg
+    me = raw_host.get_id()
+
+    async def guarded_push(msg_forwarder: ID, msg: Any) -> None:
+        if msg_forwarder == me:
+            await push_msg(msg_forwarder, msg)  # our own publish: its errors are ours to see
+        else:
+            await guard.run(msg_forwarder.to_base58(), "gossip message", push_msg, msg_forwarder, msg)
+
+    pubsub.push_msg = guarded_push
+
+    upgrader = network.upgrader
+    upgrade_security = upgrader.upgrade_security
+
+    async def gated(raw_conn: Any, is_initiator: bool, peer_id: ID | None = None) -> Any:
+        secured = await upgrade_security(raw_conn, is_initiator, peer_id)
+        remote = secured.get_remote_peer().to_base58()
+        if guard.banned(remote):
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await secured.close()
+                except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    logger.debug("closing a banned peer's connection: %s", exc)
+            raise SecurityUpgradeFailure(f"{remote} is banned here")
+        return secured
+
+    upgrader.upgrade_security = gated

@@ -1,0 +1,175 @@
+"""A hostile peer trying to make a node allocate, hold or wait: every attempt is bounded.
+
+Each test fails without its defence: a header that allocates the payload before anything is
+authorized, frames read into one allocation of their announced size, one data-channel slot
+per transfer regardless of who holds it, a handler with no deadline, a control socket with
+a backlog of 16.
+"""
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from node import api
+from protocol import exchange, wire
+from protocol.data_channel import DataChannel
+from protocol.errors import BadMessage, ProtocolError
+from protocol.exchange import TensorReceiver
+from protocol.host import FRAME_BUDGET_PER_PEER_NBYTES, Host, Stream, open_host, parse_dial_addr
+from protocol.pairing import Pairing
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.integration
+GIB = 1 << 30
+NUM_STREAMS = 16
+TIMEOUT_S = 30.0
+
+
+@asynccontextmanager
+async def victim_and_attacker() -> AsyncIterator[tuple[Host, Host]]:
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[]) as victim,
+        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[]) as attacker,
+    ):
+        await attacker.connect(parse_dial_addr(victim.addrs()[0]), timeout_s=5)
+        yield victim, attacker
+
+
+def rss_nbytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
+    except OSError:
+        return False
+    return True
+
+
+async def test_headers_of_strangers_cost_no_allocation() -> None:
+    """16 concurrent headers announcing 1 GiB each, from a peer that is nobody's partner."""
+    async with victim_and_attacker() as (victim, attacker), trio.open_nursery() as nursery:
+        pairing = Pairing(victim, send_timeout_s=10, is_member=lambda _: True)
+        await nursery.start(pairing.run)
+        receiver = TensorReceiver(
+            victim, pairing.accept_payload, authorize=pairing.authorize, max_payload_nbytes=4 * GIB, timeout_s=10
+        )
+        receiver.register()
+        measured = reset_peak_rss()
+        before = rss_nbytes("VmRSS")
+        replies: list[dict[str, object]] = []
+
+        async def claim_a_gibibyte() -> None:
+            stream = await attacker.open_stream(victim.peer_id, exchange.PROTOCOL_ID, timeout_s=10)
+            header = {
+                "round": 0,
+                "tensors": [{"name": "noloco", "dtype": "uint8", "shape": [GIB], "nbytes": GIB}],
+                "nbytes": GIB,
+                "blake3": b"\0" * 32,
+                "channel": "stream",
+            }
+            await wire.send(stream, "tensors", exchange.VERSION, header)
+            replies.append(await wire.receive(stream, msg_types=frozenset({"ack", "go"}), version=1, max_nbytes=4096))
+
+        with trio.fail_after(TIMEOUT_S):
+            async with trio.open_nursery() as attack:
+                for _ in range(NUM_STREAMS):
+                    attack.start_soon(claim_a_gibibyte)
+        assert len(replies) == NUM_STREAMS and all(r["t"] == "ack" and r["ok"] is False for r in replies)
+        assert receiver.pool.allocated_nbytes == 0
+        assert victim.peers.penalty(attacker.peer_id) == 0  # unexpected is not misbehaviour
+        if measured:
+            assert rss_nbytes("VmHWM") - before < 100 << 20
+        nursery.cancel_scope.cancel()
+
+
+async def test_stalled_large_frames_hold_no_more_than_the_frame_budget() -> None:
+    """16 streams each announce a 16 MiB message, send 2 MiB of it, and stall."""
+    async with victim_and_attacker() as (victim, attacker):
+        frame_nbytes, sent_nbytes = 16 << 20, 2 << 20
+
+        async def patient(stream: Stream) -> None:
+            await wire.read_frame(stream, max_nbytes=frame_nbytes)
+
+        victim.set_handler("/test/patient/1.0.0", patient, deadline_s=3600)
+        measured = reset_peak_rss()
+        before = rss_nbytes("VmRSS")
+        streams = []
+        with trio.fail_after(TIMEOUT_S):
+            for _ in range(NUM_STREAMS):
+                stream = await attacker.open_stream(victim.peer_id, "/test/patient/1.0.0", timeout_s=10)
+                await stream.write(frame_nbytes.to_bytes(4, "big"))
+                streams.append(stream)
+
+            async def send_part(stream: Stream) -> None:
+                for offset in range(0, sent_nbytes, 256 << 10):
+                    try:
+                        await stream.write(b"\0" * (256 << 10))
+                    except ProtocolError:
+                        return  # refused and reset: the victim stopped reading this one
+                    assert victim.frame_budget.used_nbytes <= FRAME_BUDGET_PER_PEER_NBYTES, offset
+
+            async with trio.open_nursery() as attack:
+                for stream in streams:
+                    attack.start_soon(send_part, stream)
+            # 32 MiB were on their way; the budget let 20 MiB in and refused the rest.
+            await wait_until(
+                lambda: victim.peers.penalty(attacker.peer_id) > 0 or victim.peers.is_banned(attacker.peer_id),
+                lambda: [victim.peers.changed],
+                timeout_s=TIMEOUT_S,
+            )
+        assert victim.frame_budget.used_nbytes <= FRAME_BUDGET_PER_PEER_NBYTES
+        if measured:
+            assert rss_nbytes("VmHWM") - before < 100 << 20
+
+
+async def test_a_handler_that_a_peer_stalls_ends_at_its_deadline() -> None:
+    async with victim_and_attacker() as (victim, attacker):
+
+        async def waits_for_a_request(stream: Stream) -> None:
+            await stream.read_exact(1)
+
+        victim.set_handler("/test/slow/1.0.0", waits_for_a_request, deadline_s=0.5)
+        stream = await attacker.open_stream(victim.peer_id, "/test/slow/1.0.0", timeout_s=10)
+        with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError):
+            await stream.read_exact(1)  # reset once the deadline passed
+        assert victim.peers.penalty(attacker.peer_id) == 1
+
+
+def test_a_peer_gets_one_data_channel_slot_at_a_time() -> None:
+    channel = DataChannel("127.0.0.1")
+    channel.expect(memoryview(bytearray(8)), "peer-a")
+    with pytest.raises(BadMessage):
+        channel.expect(memoryview(bytearray(8)), "peer-a")
+    channel.expect(memoryview(bytearray(8)), "peer-b")  # another peer's slot is untouched
+
+
+async def test_the_control_socket_serves_hundreds_of_concurrent_clients(short_tmp: Path) -> None:
+    async def status() -> dict[str, object]:
+        await trio.lowlevel.checkpoint()
+        return {"ok": True}
+
+    answered = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(api.serve, short_tmp, {"status": status})
+
+        async def client() -> None:
+            nonlocal answered
+            result = await api.call(short_tmp, "status")
+            answered += result == {"ok": True}
+
+        with trio.fail_after(TIMEOUT_S):
+            async with trio.open_nursery() as clients:
+                for _ in range(200):
+                    clients.start_soon(client)
+        nursery.cancel_scope.cancel()
+    assert answered == 200

@@ -1,0 +1,69 @@
+"""One hostile trainer among four, with real daemons, real workers and real pairing.
+
+The hostile node is one of the run's daemons with its pairing patched, as a modified build
+would be. Measured on the main before issue 12: a partner's Δ × −1000 destroyed the loss
+and a payload of 1e30 drove the weights to NaN (the poisoned checkpoint then crash-looped
+the worker); a node that accepted pairings and never sent cut a 4-node run from ≈106 to ≈6
+rounds a minute.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.attacks import never_send, poison_payloads
+from node.daemon import Daemon
+from tests.adversarial.harness import finished, start_trainers, until
+from tests.conftest import open_swarm
+
+pytestmark = pytest.mark.integration
+ROUNDS = 6
+TRAINING = {
+    "training__algorithm": "noloco",
+    "training__model": "micro",
+    "training__rounds": ROUNDS,
+    "training__steps_per_round": 5,
+    "training__pair_timeout_s": 20.0,
+}
+TIMEOUT_S = 240.0
+
+
+async def until_finished(honest: list[Daemon]) -> None:
+    await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
+
+
+def check_honest(honest: list[Daemon], hostile: Daemon) -> None:
+    for node in honest:
+        status = node.training.status() if node.training else None
+        assert status is not None and status["finished"] and status["rounds"] == ROUNDS
+        assert math.isfinite(status["final_loss"]) and status["final_loss"] < status["loss_curve"][0][1]
+        assert not any(node.peers.is_banned(o.peer_id) for o in honest)
+
+
+@pytest.mark.parametrize("scale", [-1000.0, 1e30])
+async def test_a_poisoning_partner_is_refused_banned_and_training_goes_on(short_tmp: Path, scale: float) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, TRAINING, run_name="adv")
+        *honest, hostile = nodes
+        poison_payloads(hostile, scale)
+        await until_finished(honest)
+        check_honest(honest, hostile)
+        refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
+        # Every honest node that paired with it refused its payload and banned it; and it
+        # paired with someone (it asks every round, like any node).
+        assert sum(refused.values()) >= 1
+        for node in honest:
+            assert node.peers.is_banned(hostile.peer_id) == (refused[node.peer_id] > 0)
+
+
+async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(short_tmp: Path) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, TRAINING, run_name="adv")
+        *honest, hostile = nodes
+        never_send(hostile)
+        await until_finished(honest)
+        check_honest(honest, hostile)
+        # Its victims gave up on it after NO_SHOW_S (not the pairing bound) and penalized it:
+        # it paired in most of the 6 rounds, with 3 honest nodes, so one had it twice: banned.
+        assert any(n.peers.is_banned(hostile.peer_id) for n in honest)

@@ -1,0 +1,94 @@
+"""One hostile ZO trainer among four, with real daemons, real workers and the real log.
+
+The hostile node is one of the run's daemons whose signing key we use to publish crafted
+batches, as a modified build would. Measured on the main before issue 12: tens of
+thousands of entries per round crash-looped the worker, entries for rounds far ahead made
+a joiner skip them, and two signed batches for one sequence number split the weights
+(each node kept the one it saw first) with no one noticing.
+"""
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from bench.attacks import equivocation, flood_batch, gossip, zo_of
+from node.daemon import Daemon
+from protocol import zolog
+from tests.adversarial.harness import events, finished, start_trainers, until
+from tests.conftest import Swarm, open_swarm, wait_until
+
+pytestmark = pytest.mark.integration
+ROUNDS = 8
+STEPS = 5
+TRAINING = {
+    "training__algorithm": "zo",
+    "training__model": "micro",
+    "training__rounds": ROUNDS,
+    "training__steps_per_round": STEPS,
+    "training__pair_timeout_s": 20.0,
+}
+TIMEOUT_S = 300.0
+
+
+def has_zo(daemon: Daemon) -> bool:
+    return daemon.training is not None and daemon.training._zo is not None
+
+
+async def hostile_published(swarm: Swarm, nodes: list[Daemon], hostile: Daemon) -> None:
+    await until(nodes, lambda: all(has_zo(n) for n in nodes), timeout_s=TIMEOUT_S)
+    await until(nodes, lambda: zo_of(hostile).log.next_seq(hostile.peer_id) >= STEPS, timeout_s=TIMEOUT_S)
+
+
+def check_honest(honest: list[Daemon], hostile: Daemon) -> None:
+    hashes = {zo_of(n).param_hash for n in honest}
+    assert len(hashes) == 1 and None not in hashes
+    for node in honest:
+        assert node.peers.is_banned(hostile.peer_id)
+        assert not any(node.peers.is_banned(o.peer_id) for o in honest)
+
+
+async def attack_until_banned(swarm: Swarm, honest: list[Daemon], hostile: Daemon, batch: zolog.Batch) -> None:
+    """Gossip ``batch`` (a hint: it may be dropped) until every honest node banned its author."""
+    with trio.fail_after(TIMEOUT_S):
+        while not all(n.peers.is_banned(hostile.peer_id) for n in honest):
+            await gossip(hostile, batch)
+            with trio.move_on_after(2.0):
+                await wait_until(
+                    lambda: all(n.peers.is_banned(hostile.peer_id) for n in honest),
+                    lambda: events(honest),
+                    timeout_s=TIMEOUT_S,
+                )
+
+
+@pytest.mark.parametrize("attack", ["flood", "beyond the last round"])
+async def test_a_batch_that_breaks_the_run_s_rules_bans_its_author(short_tmp: Path, attack: str) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, TRAINING, run_name="zoadv")
+        *honest, hostile = nodes
+        await hostile_published(swarm, nodes, hostile)
+        # Flood: far more entries in one round than its steps, every g the largest.
+        flood = attack == "flood"
+        batch = flood_batch(hostile, 1000) if flood else flood_batch(hostile, 1, round_index=ROUNDS + 3)
+        await attack_until_banned(swarm, honest, hostile, batch)
+        await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
+        await until(honest, lambda: len({zo_of(n).param_hash for n in honest}) == 1, timeout_s=TIMEOUT_S)
+        assert all(zo_of(n).log.next_seq(hostile.peer_id) <= ROUNDS * STEPS for n in honest)
+        check_honest(honest, hostile)
+
+
+async def test_an_equivocating_author_is_excluded_everywhere(short_tmp: Path) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, TRAINING, run_name="zoadv")
+        *honest, hostile = nodes
+        await hostile_published(swarm, nodes, hostile)
+        # Its round-0 batch as everyone holds it, and another one for the same sequence numbers.
+        await attack_until_banned(swarm, honest, hostile, equivocation(hostile, STEPS))
+        await until(honest, lambda: all(hostile.peer_id in zo_of(n).log.excluded for n in honest), timeout_s=TIMEOUT_S)
+        await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
+        await until(honest, lambda: len({zo_of(n).param_hash for n in honest}) == 1, timeout_s=TIMEOUT_S)
+        for node in honest:
+            log = zo_of(node).log
+            assert log.next_seq(hostile.peer_id) == 0  # none of its entries count, on any node
+            assert all(node.peers.penalty(o.peer_id) == 0 for o in honest)  # nobody blamed the messengers
+        check_honest(honest, hostile)
