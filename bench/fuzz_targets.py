@@ -67,11 +67,11 @@ from protocol import (
 from protocol import host as host_module
 from protocol.errors import BadMessage, DialError, ProtocolError
 from protocol.state import MAX_UPDATE_STRUCTS, Manifest, MemberRecord, RunState, sign_member
-from training import checkpoint, ipc
+from training import checkpoint, ipc, settings
 from training import data as token_data
 from training.models import GPT, GPTConfig
-from training.noloco import OuterConfig
-from training.trainer import InnerConfig, PayloadRejected, Trainer
+from training.settings import InnerConfig, OuterConfig
+from training.trainer import PayloadRejected, Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN = "fuzz-abc123"
@@ -1027,6 +1027,11 @@ def _ipc_decode(raw: bytes) -> object:
     return ipc.decode(raw, ipc.WORKER_TYPES)
 
 
+def _settings_seeds() -> list[bytes]:
+    custom = settings.RunSettings(algorithm="zo", rounds=3, zo=settings.ZoConfig(lr=1e-3))
+    return [settings.RunSettings().encode(), custom.encode(), _pack({"inner": {"lr": 1}})]
+
+
 def _ipc_body_seeds() -> list[bytes]:
     return [frame[ipc.LENGTH_NBYTES :] for frame in _ipc_worker_seeds()]
 
@@ -1289,6 +1294,14 @@ def _targets() -> list[Target]:
             isolate=True,
         ),
         Target("ipc_decode", _ipc_decode, (ipc.IpcError,), _ipc_body_seeds, "training/ipc.py decode", WHOLE),
+        Target(
+            "run_settings",
+            settings.decode,
+            (settings.SettingsError,),
+            _settings_seeds,
+            "training/settings.py decode (a manifest's settings)",
+            WHOLE,
+        ),
         Target(
             "ipc_read_blocking",
             _ipc_read_blocking,

@@ -86,7 +86,8 @@ def measure_rss(node: Node) -> None:
     if node.process is None or not node.alive or node.process._process.pid is None:
         return
     pid = node.process._process.pid
-    node.peak_rss_kib = max(node.peak_rss_kib, *(_hwm_kib(p) for p in [pid, *_children_of(pid)]))
+    node.peak_daemon_kib = max(node.peak_daemon_kib, _hwm_kib(pid))
+    node.peak_worker_kib = max(node.peak_worker_kib, 0, *(_hwm_kib(p) for p in _children_of(pid)))
 
 
 async def poll(node: Node) -> None:

@@ -18,7 +18,7 @@ import trio
 from node import config as config_module
 from node import logs
 from node.errors import ConfigError, NodeError
-from training.worker_config import COMPRESSIONS
+from training import settings
 
 if TYPE_CHECKING:
     from node.daemon import Daemon
@@ -59,11 +59,13 @@ def _add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) ->
     )
     parser.add_argument("--heartbeat-s", type=float, metavar="S", help="liveness heartbeat interval")
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
-    parser.add_argument("--algorithm", choices=config_module.TRAINING_ALGORITHMS, help="train with this algorithm")
+    # What a new run trains (--new-run); a joiner adopts the run's settings instead.
+    parser.add_argument("--algorithm", choices=settings.ALGORITHMS, help="a new run trains with this algorithm")
     parser.add_argument("--rounds", type=int, help="outer rounds to train")
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
     parser.add_argument("--model", help="model preset: micro, tiny, gpt-125m")
-    parser.add_argument("--compression", choices=COMPRESSIONS, help="outer payload encoding (default none)")
+    parser.add_argument("--compression", choices=settings.COMPRESSIONS, help="outer payload encoding (default none)")
+    _add_set_flag(parser)
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
@@ -87,12 +89,35 @@ _FLAG_TO_FIELD = {
     "log_level": "log_level",
     "heartbeat_s": "state.heartbeat_interval_s",
     "peer_ttl_s": "state.peer_ttl_s",
-    "algorithm": "training.algorithm",
-    "rounds": "training.rounds",
-    "inner_steps": "training.steps_per_round",
-    "model": "training.model",
-    "compression": "training.compression",
+    "algorithm": "run.settings.algorithm",
+    "rounds": "run.settings.rounds",
+    "inner_steps": "run.settings.inner.steps_per_round",
+    "model": "run.settings.model",
+    "compression": "run.settings.compression",
 }
+
+
+def _add_set_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"any run setting, e.g. outer.beta=0.5 or zo.lr=1e-3 (repeatable; {len(settings.names())} settings: "
+        f"{', '.join(settings.names())})",
+    )
+
+
+def _assignments(args: argparse.Namespace) -> dict[str, Any]:
+    """The --set flags as dotted run-setting names and typed values."""
+    values: dict[str, Any] = {}
+    for text in args.set:
+        try:
+            name, value = settings.parse_assignment(text)
+        except settings.SettingsError as exc:
+            raise ConfigError(f"--set {exc}") from exc
+        values[name] = value
+    return values
 
 
 def _node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None) -> config_module.NodeConfig:
@@ -103,6 +128,8 @@ def _node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None
             overrides[field_name] = str(value) if isinstance(value, Path) else value
     if bootstrap is not None:
         overrides["network.bootstrap"] = bootstrap
+    for name, value in _assignments(args).items():
+        overrides[f"run.settings.{name}"] = value
     if getattr(args, "data_shard", None):
         index, _, count = args.data_shard.partition("/")
         if not (index.isdigit() and count.isdigit()):
@@ -138,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--keep-data", action="store_true", help="keep the nodes' data dirs and logs")
     sim.add_argument(
         "--algorithm",
-        choices=config_module.TRAINING_ALGORITHMS,
+        choices=settings.ALGORITHMS,
         default="noloco",
         help="noloco (default); diloco or local (baselines); zo (zeroth-order); none (network only)",
     )
@@ -146,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
     sim.add_argument("--model", default="tiny", help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m")
     sim.add_argument(
-        "--compression", choices=COMPRESSIONS, default="none", help="outer payload encoding (default none)"
+        "--compression", choices=settings.COMPRESSIONS, default="none", help="outer payload encoding (default none)"
     )
+    _add_set_flag(sim)
     sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
     sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
@@ -184,11 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_s=args.timeout_s,
                     linger_s=args.linger_s,
                     keep_data=args.keep_data,
-                    algorithm=args.algorithm,
-                    rounds=args.rounds,
-                    inner_steps=args.inner_steps,
-                    model=args.model,
-                    compression=args.compression,
+                    settings=_simulated_settings(args),
                     plot_path=args.plot,
                     kill_after_s=args.kill_after_s,
                     late_join=args.late_join,
@@ -203,6 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarmtrain: {exc}", file=sys.stderr)
         return EXIT_ERROR
     raise AssertionError(args.command)
+
+
+def _simulated_settings(args: argparse.Namespace) -> settings.RunSettings:
+    flags = {
+        "algorithm": args.algorithm,
+        "rounds": args.rounds,
+        "inner.steps_per_round": args.inner_steps,
+        "model": args.model,
+        "compression": args.compression,
+    }
+    try:
+        return settings.RunSettings().with_values({**flags, **_assignments(args)})
+    except settings.SettingsError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _run_daemon(config: config_module.NodeConfig, *, join_addr: str | None, watch_stdin: bool = False) -> int:

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
-from training.worker_config import ALGORITHMS, COMPILE_MODES, COMPRESSIONS, MODEL_PRESETS
+from training import settings
+from training.settings import RunSettings
+from training.worker_config import COMPILE_MODES
 
 T = typing.TypeVar("T")
 
 RUN_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROLES = ("trainer", "bootstrap", "observer")
-# "none" runs the node on the network only; the others train (training/worker_config.py).
-TRAINING_ALGORITHMS = ("none", *ALGORITHMS)
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # protocol/nat.py's RELAY_MODES and FORCED_REACHABILITY; repeated so reading a config never imports libp2p.
@@ -140,6 +140,9 @@ class RunConfig:
     """Start a new run with this name (its id gets a random suffix)."""
     run_id: str | None = None
     """Join the run with this id."""
+    settings: RunSettings = field(default_factory=RunSettings)
+    """What the run trains (training/settings.py), if this node creates it: a joiner
+    adopts the run's own, whatever these say."""
 
     def __post_init__(self) -> None:
         if self.new_run is not None and self.run_id is not None:
@@ -154,21 +157,8 @@ class RunConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    algorithm: str = "none"
-    """none (network only), noloco, diloco (average with every live peer: a baseline), or
-    local (no averaging: the other baseline)."""
-    rounds: int = 20
-    """Outer rounds to train, then the worker stops (the node stays on the network)."""
-    steps_per_round: int = 50
-    """H: inner AdamW steps between outer steps."""
-    model: str = "tiny"
-    """Model preset (training/models.py)."""
-    lr: float = 1e-3
-    """Inner AdamW learning rate."""
-    compression: str = "none"
-    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes). Every
-    node of a run must use the same (a partner of another size is refused)."""
-    batch_size: int = 8
+    """This node's own part in training; what the run trains is ``run.settings``."""
+
     shard_index: int = 0
     """Which slice of the corpus this node trains on ..."""
     num_shards: int = 1
@@ -181,16 +171,12 @@ class TrainingConfig:
     """torch.compile the model: auto (on CUDA only), on, off."""
 
     def __post_init__(self) -> None:
-        _choice("training.algorithm", self.algorithm, TRAINING_ALGORITHMS)
-        _choice("training.model", self.model, MODEL_PRESETS)
-        _choice("training.compression", self.compression, COMPRESSIONS)
         _choice("training.compile", self.compile, COMPILE_MODES)
-        for name in ("rounds", "steps_per_round", "batch_size", "num_shards", "threads"):
+        for name in ("num_shards", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ConfigError(f"training.shard_index: must be in [0, {self.num_shards}), got {self.shard_index}")
-        _positive("training.lr", self.lr)
         _positive("training.pair_timeout_s", self.pair_timeout_s)
 
 
@@ -236,6 +222,13 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
     return from_mapping(NodeConfig, data, prefix="")
 
 
+# Before issue 13 these sat under [training]; say where they went rather than "unknown".
+_MOVED = {
+    **{name: f"run.settings.{name}" for name in ("algorithm", "model", "rounds", "compression")},
+    **{name: f"run.settings.inner.{name}" for name in ("steps_per_round", "lr", "batch_size")},
+}
+
+
 def from_mapping(cls: type[T], data: dict[str, Any], *, prefix: str) -> T:
     """Construct dataclass ``cls`` from ``data``, checking names and types field by field."""
     if not isinstance(data, dict):
@@ -243,6 +236,8 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, prefix: str) -> T:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
+    if prefix == "training." and (moved := [n for n in unknown if n in _MOVED]):
+        raise ConfigError(f"training.{moved[0]}: run settings moved to [run.settings]: use {_MOVED[moved[0]]}")
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
     kwargs: dict[str, Any] = {}
@@ -259,6 +254,11 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, prefix: str) -> T:
 
 
 def _convert(name: str, hint: Any, value: Any) -> Any:
+    if hint is RunSettings:  # checked where it is defined, with the same rules as a manifest's
+        try:
+            return settings.from_dict(value)
+        except settings.SettingsError as exc:
+            raise ConfigError(f"{name}.{exc}") from exc
     if is_dataclass(hint):
         return from_mapping(hint, value, prefix=f"{name}.")  # type: ignore[arg-type]
     origin = typing.get_origin(hint)

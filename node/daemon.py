@@ -19,7 +19,7 @@ from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
 from node.errors import NodeError
 from node.logs import short_peer
-from node.training import RUN_SETTINGS, TrainingService
+from node.training import TrainingService
 from protocol.discovery import Discovery
 from protocol.errors import BadMessage, ProtocolError
 from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
@@ -138,6 +138,7 @@ class Daemon:
                         self.peers,
                         self.config.training,
                         state,
+                        own_settings=self.config.run.settings,
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
@@ -219,14 +220,13 @@ class Daemon:
                 )
                 state = RunState(run_id)
         if self.config.run.new_run is not None:
-            training = self.config.training
             state.create_manifest(
                 Manifest(
                     run_id=run_id,
                     name=self.config.run.new_run,
                     creator=self.peer_id,
                     created_at=time.time(),
-                    **{name: getattr(training, name) for name in RUN_SETTINGS},
+                    settings=self.config.run.settings.encode(),
                 ),
                 self.seed,
             )

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from node.errors import DataDirError
+from training.files import write_atomic
 
 
 class DataDir:
@@ -66,14 +67,4 @@ class DataDir:
 
     def save_run(self, run_id: str, data: bytes) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        target = self.run_file(run_id)
-        tmp = target.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except OSError:
-            tmp.unlink(missing_ok=True)  # a full disk leaves the old file whole, and no debris
-            raise
+        write_atomic(self.run_file(run_id), data)

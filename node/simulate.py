@@ -12,7 +12,8 @@ view; the JSON report (contract below, extended by later issues, never broken) r
 when each node converged. No process outlives the simulation: children get SIGTERM when
 it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
 
-Report: {"algorithm": str, "wall_s": float, "converged": bool, "num_nodes": int,
+Report: {"algorithm": str, "settings": {every run setting: training/settings.py},
+         "wall_s": float, "converged": bool, "num_nodes": int,
          "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
          and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
@@ -48,9 +49,9 @@ import trio
 
 from node import api
 from node.children import Child, start_forkserver
-from node.config import TRAINING_ALGORITHMS
 from node.errors import ApiError, ConfigError, NodeError
 from node.netbed import Netbed, NetbedUnavailable
+from training.settings import RunSettings
 
 MAX_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -77,12 +78,8 @@ class SimulationOptions:
     """Keep the network running this long after it converged."""
     keep_data: bool = False
     """Keep each node's data dir and log (under /tmp) for inspection."""
-    algorithm: str = "none"
-    """Train with noloco or local; none only forms the network."""
-    rounds: int = 10
-    inner_steps: int = 10
-    model: str = "tiny"
-    compression: str = "none"
+    settings: RunSettings = field(default_factory=RunSettings)
+    """What the run trains (algorithm none only forms the network)."""
     plot_path: Path | None = None
     """Draw the loss curves of all nodes into this PNG."""
     late_join: bool = False
@@ -97,15 +94,11 @@ class SimulationOptions:
         if not 1 <= self.num_nodes <= MAX_NODES:
             raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
         if self.timeout_s is None:
-            self.timeout_s = CONVERGE_TIMEOUT_S if self.algorithm == "none" else TRAIN_TIMEOUT_S
+            self.timeout_s = CONVERGE_TIMEOUT_S if self.settings.algorithm == "none" else TRAIN_TIMEOUT_S
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
-        if self.algorithm not in TRAINING_ALGORITHMS:
-            raise ConfigError(f"--algorithm: must be one of {', '.join(TRAINING_ALGORITHMS)}, got {self.algorithm!r}")
-        if self.rounds < 1 or self.inner_steps < 1:
-            raise ConfigError("--rounds and --inner-steps: must be >= 1")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
@@ -113,14 +106,11 @@ class SimulationOptions:
 
     def run_flags(self) -> list[str]:
         """What the run trains (the bootstrap node writes it into the manifest)."""
-        return [
-            *["--algorithm", self.algorithm, "--rounds", str(self.rounds)],
-            *["--inner-steps", str(self.inner_steps), "--model", self.model, "--compression", self.compression],
-        ]
+        return [flag for name, value in self.settings.flat().items() for flag in ("--set", f"{name}={value}")]
 
     def training_flags(self, index: int) -> list[str]:
         """A node's own part: its data shard (the rest comes from the manifest)."""
-        return [] if self.algorithm == "none" else ["--data-shard", f"{index}/{self.num_nodes}"]
+        return [] if self.settings.algorithm == "none" else ["--data-shard", f"{index}/{self.num_nodes}"]
 
 
 @dataclass(slots=True)
@@ -268,7 +258,9 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         converged_at: float | None = None
         last_print = -1e9
         assert options.timeout_s is not None
-        stop_reason = f"not {'converged' if options.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
+        stop_reason = (
+            f"not {'converged' if options.settings.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
+        )
         killed: set[str] = set()
         late_names: set[str] = set()
         links_settled_at: float | None = None
@@ -294,7 +286,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     print(_render(nodes, now - start, expected_peers), flush=True)
                     last_print = now
                 if late is not None and all(
-                    (n.status.get("training") or {}).get("rounds", 0) >= options.rounds // 4 for n in nodes[1:]
+                    (n.status.get("training") or {}).get("rounds", 0) >= options.settings.rounds // 4 for n in nodes[1:]
                 ):
                     print(f"starting {late[0]} late, as asked (the others are a quarter of the way)", flush=True)
                     nodes.append(placement.start(late[0], base, late[1], index=options.num_nodes - 1))
@@ -324,13 +316,13 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     and pairs_now["unconnected"] == 0
                     and (pairs_now["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
                 )
-                trained = options.algorithm == "none" or (
+                trained = options.settings.algorithm == "none" or (
                     late is None
                     and all((n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed)
                     and _zo_settled(options, [n for n in nodes[1:] if n.name not in killed])
                 )
                 if converged_at is not None and trained and linked and now - converged_at >= options.linger_s:
-                    stop_reason = "converged" if options.algorithm == "none" else "trained"
+                    stop_reason = "converged" if options.settings.algorithm == "none" else "trained"
                     break
                 await trio.sleep(POLL_INTERVAL_S)
     finally:
@@ -344,6 +336,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         if node.process.returncode not in (0, None) and node.name not in killed:
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
     report = _report(nodes, wall_s)
+    report["settings"] = options.settings.to_dict()  # what the run was asked to train, every setting
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
         entry["late_join"] = entry["name"] in late_names
@@ -424,7 +417,7 @@ ZO_REPORT_KEYS = (
 def _zo_settled(options: SimulationOptions, nodes: list[_Node]) -> bool:
     """ZO runs end when every node holds the same log and has applied all of it (late
     updates keep arriving after the last round; the final weights follow them)."""
-    if options.algorithm != "zo":
+    if options.settings.algorithm != "zo":
         return True
     views = {
         (
@@ -492,7 +485,7 @@ def simulate(options: SimulationOptions) -> int:
     if options.report_path is not None:
         options.report_path.write_text(text + "\n")
         print(f"report written to {options.report_path}")
-    if options.plot_path is not None and options.algorithm != "none":
+    if options.plot_path is not None and options.settings.algorithm != "none":
         from node.plot import plot_report
 
         plot_report(report, options.plot_path)
@@ -513,7 +506,7 @@ def simulate(options: SimulationOptions) -> int:
         finals = [n["final_loss"] for n in trained]
         firsts = [n["loss_curve"][0][1] for n in trained]
         print(
-            f"{options.algorithm}: validation loss {max(firsts):.3f} after the first round -> "
+            f"{options.settings.algorithm}: validation loss {max(firsts):.3f} after the first round -> "
             f"{min(finals):.3f}-{max(finals):.3f} after {max(n['rounds'] for n in trained)} rounds"
         )
     return 0 if report["converged"] else 1

@@ -6,12 +6,10 @@ exit, waits (1 s, doubling to 60 s while it keeps crashing) and starts a new one
 resumes from its checkpoint (saved after every outer step) at the next round.
 """
 
-import json
 import logging
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -127,7 +125,7 @@ class Supervisor:
 
     async def _run_once(self) -> bool:
         """One worker's life; True if it finished its rounds."""
-        command = [sys.executable, "-m", "training.worker", json.dumps(asdict(self._config))]
+        command = [sys.executable, "-m", "training.worker", self._config.to_json()]
         stderr = open(self._log_path, "ab") if self._log_path else None  # noqa: ASYNC230, SIM115
         try:
             process = await trio.lowlevel.open_process(

@@ -1,10 +1,10 @@
 """A node's training: supervises its worker and runs each round's outer step with a peer.
 
 What to train is the run's decision, not each node's: the run manifest (written by the
-node that started the run, replicated to all) carries the algorithm, model, H, rounds,
-learning rate, batch size and compression. A trainer waits until it holds the manifest,
-adopts those settings (saying so when its own differ), and keeps only local ones: data
-shard, threads, pairing bound, upload cap. A run whose algorithm is "none" trains nothing.
+node that started the run, replicated to all) carries its RunSettings
+(training/settings.py), whole. A trainer waits until it holds the manifest, adopts them
+(saying so when its own differ), hands them to its worker unchanged, and keeps only local
+settings: data shard, threads, pairing bound, upload cap. A run whose algorithm is "none" trains nothing.
 
 At every round boundary the worker reports its losses and leaves φ and Δ in its outbox.
 For NoLoCo we pair with one random live trainer (protocol/pairing.py; bounded wait, then
@@ -13,7 +13,6 @@ outer step. "local" trains alone, the baseline. Metrics feed ``status`` and the 
 report: the loss curve, bytes moved, and how the time split between compute and waiting.
 """
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ import trio
 
 from node.config import TrainingConfig
 from node.diloco import DilocoExchange
-from node.errors import ConfigError
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from node.zo import ZoRounds
 from protocol.data_channel import DataChannel
@@ -34,6 +32,8 @@ from protocol.peers import BAN_POINTS, PeerTable
 from protocol.ratelimit import RateLimit
 from protocol.run import RunService
 from protocol.state import Manifest, RunState
+from training import settings
+from training.settings import RunSettings
 from training.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What the manifest decides for every trainer of the run.
-RUN_SETTINGS = ("algorithm", "model", "steps_per_round", "rounds", "lr", "batch_size", "compression")
 # Payload exchanges are bounded too: a partner that stops reading never holds us for long.
 SEND_TIMEOUT_S = 120.0
 MAX_PAYLOAD_NBYTES = 4 << 30
@@ -69,25 +67,26 @@ class TrainingMetrics:
     """Partner payloads the worker refused (non-finite, out of bounds): each cost its sender."""
 
 
-def adopt(ours: TrainingConfig, manifest: Manifest) -> TrainingConfig | None:
-    """Our training settings with the run's in place; None if we do not train in this run."""
-    theirs = {name: getattr(manifest, name) for name in RUN_SETTINGS}
-    differ = [f"{n} {getattr(ours, n)!r} -> {v!r}" for n, v in theirs.items() if getattr(ours, n) != v]
-    if differ and ours.algorithm != "none":
-        logger.warning("the run's settings replace ours: %s", ", ".join(differ))
+def adopt(ours: RunSettings, manifest: Manifest) -> RunSettings | None:
+    """The run's settings (its creator's, whatever ``ours`` say); None if the run trains
+    nothing or asks what this node cannot do (a model of a newer release): the node then
+    stays on the network without training."""
     try:
-        config = dataclasses.replace(ours, **theirs)
-    except ConfigError as exc:
+        theirs = settings.decode(manifest.settings)
+    except settings.SettingsError as exc:
         logger.error("cannot train in this run (%s); staying on the network without training", exc)
         return None
-    if config.algorithm == "none":
+    differ = ours.differences(theirs)
+    if differ and ours != RunSettings():  # settings of our own: say they do not count here
+        logger.warning("the run's settings replace ours: %s", ", ".join(differ))
+    if not theirs.trains:
         logger.info("the run trains nothing (algorithm none): network only")
         return None
     logger.info(
-        "training as the run says: %s, model %s, H=%d, %d rounds, lr %g, compression %s",
-        *(config.algorithm, config.model, config.steps_per_round, config.rounds, config.lr, config.compression),
+        "training as the run says: %s, model %s, H=%d, %d rounds, compression %s",
+        *(theirs.algorithm, theirs.model, theirs.inner.steps_per_round, theirs.rounds, theirs.compression),
     )
-    return config
+    return theirs
 
 
 class TrainingService:
@@ -98,6 +97,7 @@ class TrainingService:
         config: TrainingConfig,
         state: RunState,
         *,
+        own_settings: RunSettings | None = None,
         listen_ip: str,
         log_path: str,
         upload_limit_mbps: float = 0.0,
@@ -109,6 +109,10 @@ class TrainingService:
         self._host = host
         self._peers = peers
         self._config = config
+        self._own_settings = own_settings or RunSettings()
+        """What we would train (the user's, for a run we create): the run's replace them."""
+        self._run = RunSettings()
+        """The run's settings, once adopted."""
         self._state = state
         self._listen_ip = listen_ip
         self._log_path = log_path
@@ -138,19 +142,16 @@ class TrainingService:
             changed = self._state.changed
             if self._state.manifest is None:
                 await changed.wait()
-        config = adopt(self._config, manifest)
+        run = adopt(self._own_settings, manifest)
         self.adopted.set()
-        if config is None:
+        if run is None:
             return
-        self._config = config
+        self._run = run
+        config = self._config
         worker_config = WorkerConfig(
-            model=config.model,
-            algorithm=config.algorithm,
-            compression=config.compression,
+            run=run,
             node_index=config.shard_index,
             num_nodes=config.num_shards,
-            rounds=config.rounds,
-            inner={"steps_per_round": config.steps_per_round, "lr": config.lr, "batch_size": config.batch_size},
             threads=config.threads,
             checkpoint_path=self._checkpoint_path,
             device=self._device,
@@ -158,13 +159,13 @@ class TrainingService:
             # Without a shard of its own every node reads the whole corpus: draw other batches.
             batch_seed=None if config.num_shards > 1 else int.from_bytes(self._host.peer_id.encode()[-4:], "big"),
         )
-        if config.algorithm == "zo":
+        if run.algorithm == "zo":
             self._zo = ZoRounds(
                 self._host,
                 run_id=self._state.run_id,
                 identity_seed=self._identity_seed,
-                rounds=config.rounds,
-                updates_per_round=config.steps_per_round,
+                rounds=run.rounds,
+                updates_per_round=run.inner.steps_per_round,
                 partners=self._partners,
                 # Our own batches always count (a stranger deleting our record must not stop us).
                 is_member=lambda peer_id: peer_id == self._host.peer_id or peer_id in self._state.members,
@@ -208,7 +209,7 @@ class TrainingService:
 
         def on_finished() -> None:
             assert self._zo is not None and self._zo.final_val_loss is not None
-            self.metrics.loss_curve.append([float(self._config.rounds), self._zo.final_val_loss])
+            self.metrics.loss_curve.append([float(self._run.rounds), self._zo.final_val_loss])
             self.metrics.finished = True
 
         self.metrics.rounds = 0
@@ -217,7 +218,7 @@ class TrainingService:
 
     async def _train(self, supervisor: Supervisor) -> None:
         channel = DataChannel(self._listen_ip)
-        inbox = self._diloco if self._config.algorithm == "diloco" else self._pairing
+        inbox = self._diloco if self._run.algorithm == "diloco" else self._pairing
         receiver = TensorReceiver(
             self._host,
             inbox.accept_payload,
@@ -243,7 +244,7 @@ class TrainingService:
             return None
         m = self.metrics
         return {
-            "algorithm": self._config.algorithm,
+            "algorithm": self._run.algorithm,
             "rounds": m.rounds,
             "rounds_with_partner": m.rounds_with_partner,
             "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
@@ -300,7 +301,7 @@ class TrainingService:
         # A restarted worker resumes from its checkpoint: rounds after it are done again.
         self.metrics.rounds = worker.start_round
         del self.metrics.loss_curve[worker.start_round :]
-        if worker.start_round >= self._config.rounds:
+        if worker.start_round >= self._run.rounds:
             return
         self._diloco.payload_nbytes = worker.payload_nbytes
         outbox = worker.outbox.buf[: worker.payload_nbytes]
@@ -318,7 +319,7 @@ class TrainingService:
                     self.metrics.rounds += 1
                     self.metrics.train_wall_s = trio.current_time() - self._first_ready
                     self.metrics.rounds_with_partner += int(message.get("used_peer") is True)
-                    if self.metrics.rounds >= self._config.rounds:
+                    if self.metrics.rounds >= self._run.rounds:
                         return
                 else:
                     raise WorkerGone(f"unexpected {message['t']!r} from the worker")
@@ -338,13 +339,13 @@ class TrainingService:
         self.metrics.loss_curve.append([float(done.get("step", 0)), float(done["val_loss"])])
         self.metrics.compute_s += float(done.get("compute_s", 0.0))
         started = trio.current_time()
-        if self._config.algorithm == "diloco":
+        if self._run.algorithm == "diloco":
             await self._diloco_outer(worker, round_index, outbox, inbox)
             self.metrics.sync_wait_s += trio.current_time() - started
             return
         partner = None
         self._partner = None
-        if self._config.algorithm == "noloco":
+        if self._run.algorithm == "noloco":
             partner = self._partner = await self._pairing.find_partner(
                 round_index, outbox, inbox, self._partners(), timeout_s=self._config.pair_timeout_s
             )

@@ -1,9 +1,9 @@
 """The replicated state of one run: a pycrdt document of signed records.
 
     doc
-    ├── "manifest"  Map: run_id, name, creator, created_at, version, what the run trains
-    │               (algorithm, model, steps_per_round, rounds, lr, batch_size,
-    │               compression: node/training.py adopts them), and sig: the creator's
+    ├── "manifest"  Map: run_id, name, creator, created_at, version, settings: what the
+    │               run trains (training/settings.py's bytes, opaque here: node/training.py
+    │               decodes and adopts them), and sig: the creator's
     └── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at,
                     seq, sig}: each record signed by the peer it describes
 
@@ -55,8 +55,8 @@ from protocol.guard import FATAL
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")  # base58btc
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROOTS = ("manifest", "members")
-# Training settings are names like "noloco" or "gpt-125m"; the node checks the values it supports.
-SETTING_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
+# The run's settings are a few hundred bytes (training/settings.py checks what they say).
+MAX_SETTINGS_NBYTES = 4096
 ROLES = frozenset({"trainer", "bootstrap", "observer"})
 # Over this many member records, each node evicts the silent oldest (see the docstring).
 MAX_MEMBERS = 1024
@@ -70,9 +70,10 @@ MAX_DOC_NBYTES = 2 << 20
 MAX_UPDATE_STRUCTS = 4 * MAX_MEMBERS + 256
 # 2**53: integers above this do not survive pycrdt's float conversion exactly.
 MAX_SAFE_INT = 1 << 53
-FORMAT_VERSION = 3
-"""Of this document's layout: 3 = signed manifest and member records (seq, sig)."""
-MANIFEST_DOMAIN = "swarmtrain/manifest/3"
+FORMAT_VERSION = 4
+"""Of this document's layout: 3 = signed manifest and member records (seq, sig);
+4 = the manifest's settings as one blob (every setting of training/settings.py)."""
+MANIFEST_DOMAIN = "swarmtrain/manifest/4"
 MEMBER_DOMAIN = "swarmtrain/member/3"
 T = TypeVar("T")
 # A panic in yrs prints a backtrace when this is 1: 4 KiB of stderr and ≈1 ms per hostile
@@ -91,14 +92,9 @@ class Manifest:
     name: str
     creator: str
     created_at: float
-    algorithm: str = "none"
-    """What every trainer of the run does: none (network only), noloco, diloco, local, zo."""
-    model: str = "tiny"
-    steps_per_round: int = 50
-    rounds: int = 20
-    lr: float = 1e-3
-    batch_size: int = 8
-    compression: str = "none"
+    settings: bytes = b""
+    """What every trainer of the run does: training/settings.py's ``encode()``; empty: the
+    run trains nothing."""
     version: int = FORMAT_VERSION
 
     def signed_fields(self) -> list[Any]:
@@ -184,6 +180,11 @@ def _as_str(value: Any, what: str, max_len: int, pattern: re.Pattern[str] | None
     return str(value)
 
 
+def _as_bytes(value: Any, what: str, max_len: int) -> bytes:
+    _need(isinstance(value, bytes | bytearray) and len(value) <= max_len, f"{what} is not bytes of <= {max_len}")
+    return bytes(value)
+
+
 def _as_sig(value: Any, what: str) -> bytes:
     _need(isinstance(value, bytes | bytearray) and len(value) == keys.SIGNATURE_NBYTES, f"{what} is not a signature")
     return bytes(value)
@@ -202,13 +203,7 @@ def parse_manifest(raw: dict[str, Any]) -> Manifest:
         name=_as_str(raw["name"], "manifest.name", 64),
         creator=_as_str(raw["creator"], "manifest.creator", 64, PEER_ID_PATTERN),
         created_at=_as_time(raw["created_at"], "manifest.created_at"),
-        algorithm=_as_str(raw["algorithm"], "manifest.algorithm", 32, SETTING_PATTERN),
-        model=_as_str(raw["model"], "manifest.model", 32, SETTING_PATTERN),
-        steps_per_round=_as_int(raw["steps_per_round"], "manifest.steps_per_round", lo=1, hi=1 << 20),
-        rounds=_as_int(raw["rounds"], "manifest.rounds", lo=1, hi=1 << 30),
-        lr=_as_float(raw["lr"], "manifest.lr", lo=0.0, hi=1.0),
-        batch_size=_as_int(raw["batch_size"], "manifest.batch_size", lo=1, hi=1 << 16),
-        compression=_as_str(raw["compression"], "manifest.compression", 32, SETTING_PATTERN),
+        settings=_as_bytes(raw["settings"], "manifest.settings", MAX_SETTINGS_NBYTES),
         version=_as_int(raw["version"], "manifest.version"),
     )
     keys.verify(manifest.creator, _as_sig(raw["sig"], "manifest.sig"), MANIFEST_DOMAIN, manifest.signed_fields())

@@ -40,7 +40,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ({"network.reachability": "maybe"}, "network.reachability"),
         ({"network.relay_max_reservations": 0}, "network.relay_max_reservations"),
         ({"network.relay_circuit_data_mib": 0}, "network.relay_circuit_data_mib"),
-        ({"training.compression": "zip"}, "training.compression"),
+        ({"run.settings.compression": "zip"}, "run.settings.compression"),
         ({"network.dial_timeout_s": -1}, "network.dial_timeout_s"),
         ({"network.listen": "/ip4/1.2.3.4/tcp/1"}, "network.listen"),
         ({"network.listen": ["/dns/x/tcp/1"]}, "network.listen"),
@@ -60,6 +60,12 @@ def test_bad_values_name_the_field(overrides: dict[str, object], field: str) -> 
     with pytest.raises(ConfigError) as info:
         config.load(None, overrides)
     assert str(info.value).startswith(field)
+
+
+def test_a_run_setting_under_its_old_table_says_where_it_moved() -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(None, {"training.lr": 0.01})
+    assert str(info.value) == "training.lr: run settings moved to [run.settings]: use run.settings.inner.lr"
 
 
 def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from training.noloco import OuterConfig, PeerTensors, diloco_step, noloco_step, outer_gradient
+from training.noloco import PeerTensors, diloco_step, noloco_step, outer_gradient
+from training.settings import OuterConfig
 
 CONFIG = OuterConfig(alpha=0.5, beta=0.7, gamma=0.7)
 

@@ -1,28 +1,117 @@
-"""The run manifest decides what every trainer trains; a node keeps only its local settings."""
+"""One RunSettings: defined and checked once, set from TOML or flags, carried by the
+manifest to every joiner and on to the worker; a node keeps only its local settings."""
 
 import logging
+from pathlib import Path
 
 import pytest
 
-from node.config import TrainingConfig
-from node.training import RUN_SETTINGS, adopt
+from node import cli
+from node import config as config_module
+from node.errors import ConfigError
+from node.simulate import SimulationOptions
+from node.training import adopt
 from protocol.state import Manifest
+from training import settings
+from training.settings import InnerConfig, OuterConfig, RunSettings, ZoConfig
+from training.worker_config import WorkerConfig
 
 RUN = dict(run_id="demo-abcdef", name="demo", creator="12D3KooW" + "A" * 44, created_at=1.7e9)
+CUSTOM = RunSettings(
+    algorithm="zo",
+    model="micro",
+    rounds=3,
+    compression="int8",
+    inner=InnerConfig(steps_per_round=7, lr=2e-3, batch_size=4),
+    outer=OuterConfig(beta=0.5),
+    zo=ZoConfig(eps=2e-3, lr=1e-3, g_max=8.0),
+)
 
 
-def test_a_trainer_adopts_the_runs_settings_and_keeps_its_own_shard(caplog: pytest.LogCaptureFixture) -> None:
-    manifest = Manifest(**RUN, algorithm="noloco", model="micro", steps_per_round=7, rounds=3, compression="int8")
-    ours = TrainingConfig(algorithm="diloco", model="tiny", shard_index=2, num_shards=4, threads=2)
+def test_a_trainer_adopts_the_runs_settings_whole(caplog: pytest.LogCaptureFixture) -> None:
+    ours = RunSettings(algorithm="diloco", model="tiny")
     with caplog.at_level(logging.WARNING):
-        config = adopt(ours, manifest)
-    assert config is not None
-    assert {n: getattr(config, n) for n in RUN_SETTINGS} == {n: getattr(manifest, n) for n in RUN_SETTINGS}
-    assert (config.shard_index, config.num_shards, config.threads) == (2, 4, 2)
-    assert "algorithm 'diloco' -> 'noloco'" in caplog.text and "model 'tiny' -> 'micro'" in caplog.text
+        adopted = adopt(ours, Manifest(**RUN, settings=CUSTOM.encode()))
+    assert adopted == CUSTOM
+    assert "algorithm 'diloco' -> 'zo'" in caplog.text and "zo.lr 0.003 -> 0.001" in caplog.text
+
+
+def test_a_joiner_with_default_settings_adopts_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert adopt(RunSettings(), Manifest(**RUN, settings=CUSTOM.encode())) == CUSTOM
+    assert "replace ours" not in caplog.text
 
 
 def test_a_run_that_trains_nothing_or_asks_the_impossible_is_not_trained() -> None:
-    assert adopt(TrainingConfig(algorithm="noloco"), Manifest(**RUN, algorithm="none")) is None
-    # A manifest naming a model this node does not know: stay on the network, do not crash.
-    assert adopt(TrainingConfig(), Manifest(**RUN, algorithm="noloco", model="gpt-9000")) is None
+    assert adopt(RunSettings(), Manifest(**RUN, settings=RunSettings(algorithm="none").encode())) is None
+    # A manifest naming a model this node does not know (a newer release): stay on the
+    # network, do not crash. The creator signed it; it is still only bytes to us.
+    raw = {**CUSTOM.to_dict(), "model": "gpt-9000"}
+    import msgpack
+
+    assert adopt(RunSettings(), Manifest(**RUN, settings=msgpack.packb(raw))) is None
+    for hostile in (b"", b"\xc1", b"\x91\x01", msgpack.packb({"rounds": 1 << 40}), msgpack.packb({"x": 1})):
+        assert adopt(RunSettings(), Manifest(**RUN, settings=hostile)) is None
+
+
+def test_settings_round_trip_through_every_carrier() -> None:
+    assert settings.decode(CUSTOM.encode()) == CUSTOM
+    assert settings.from_dict(CUSTOM.to_dict()) == CUSTOM
+    config = WorkerConfig(run=CUSTOM)
+    assert WorkerConfig.from_json(config.to_json()) == config
+    # CRDT documents hand back whole floats for ints: accepted as the int they are.
+    assert settings.from_dict({"rounds": 3.0}).rounds == 3
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"algorithm": "allreduce"}, "algorithm"),
+        ({"rounds": 0}, "rounds"),
+        ({"rounds": 1.5}, "rounds"),
+        ({"rounds": True}, "rounds"),
+        ({"inner": {"lr": float("nan")}}, "inner.lr"),
+        ({"inner": {"steps_per_round": "5"}}, "inner.steps_per_round"),
+        ({"outer": {"beta": 3.0}}, "outer.beta"),
+        ({"outer": {"delta": 1.0}}, "outer.delta"),
+        ({"zo": {"g_max": 0.0}}, "zo.g_max"),
+        ({"zo": 5}, "zo"),
+        ({"model": "x" * 1000}, "model"),
+        ({"learning_rate": 1.0}, "learning_rate"),
+    ],
+)
+def test_a_bad_setting_is_named(data: dict[str, object], named: str) -> None:
+    with pytest.raises(settings.SettingsError) as info:
+        settings.from_dict(data)
+    assert str(info.value).startswith(named)
+
+
+def test_toml_and_flags_reach_the_run_settings(tmp_path: Path) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text('[run]\nnew_run = "demo"\n[run.settings]\nalgorithm = "zo"\n[run.settings.zo]\nlr = 1e-3\n')
+    args = cli.build_parser().parse_args(
+        ["node", "--config", str(toml), "--rounds", "7", "--inner-steps", "3", "--set", "outer.gamma=0.25"]
+    )
+    config = cli._node_config(args)
+    assert config.run.settings == RunSettings(
+        algorithm="zo",
+        rounds=7,
+        inner=InnerConfig(steps_per_round=3),
+        outer=OuterConfig(gamma=0.25),
+        zo=ZoConfig(lr=1e-3),
+    )
+    with pytest.raises(ConfigError, match=r"run\.settings\.zo\.lr"):
+        config_module.load(None, {"run.settings.zo.lr": -1.0})
+    for bad, named in (("outer.beta", "NAME=VALUE"), ("outer.bta=1", "outer.bta"), ("rounds=many", "rounds")):
+        with pytest.raises(ConfigError, match=named):
+            cli._node_config(cli.build_parser().parse_args(["node", "--set", bad]))
+
+
+def test_simulate_hands_every_setting_to_the_run_creator() -> None:
+    args = cli.build_parser().parse_args(
+        ["simulate", "--algorithm", "zo", "--set", "zo.eps=0.002", "--set", "inner.batch_size=4"]
+    )
+    options = SimulationOptions(settings=cli._simulated_settings(args))
+    assert options.settings.zo.eps == 0.002 and options.settings.inner.batch_size == 4
+    node_args = cli.build_parser().parse_args(["node", *options.run_flags()])
+    assert cli._node_config(node_args).run.settings == options.settings

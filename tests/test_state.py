@@ -11,7 +11,8 @@ from pycrdt import Array, Doc, Map, Text
 
 from protocol import keys
 from protocol.errors import BadMessage, UnsupportedVersion
-from protocol.state import MAX_DOC_NBYTES, Manifest, MemberRecord, Overfull, RunState, sign_member
+from protocol.state import FORMAT_VERSION, MAX_DOC_NBYTES, Manifest, MemberRecord, Overfull, RunState, sign_member
+from training.settings import RunSettings
 
 RUN = "demo-abc123"
 SEED_A, SEED_B, SEED_C = b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32
@@ -211,7 +212,8 @@ def test_a_forged_manifest_is_rejected() -> None:
     state.put_member(member(PEER_A))
     before = state.encode()
     genuine = populated()
-    forged = hostile(lambda d: d.get("manifest", type=Map).__setitem__("rounds", 10_000), genuine)
+    other = RunSettings(algorithm="noloco", rounds=10_000).encode()
+    forged = hostile(lambda d: d.get("manifest", type=Map).__setitem__("settings", other), genuine)
     victim = RunState(RUN)
     with pytest.raises(BadMessage, match="signature"):
         victim.apply_remote(genuine.encode())
@@ -233,7 +235,7 @@ def test_manifest_of_another_run_is_rejected() -> None:
 
 def test_a_document_of_another_format_is_refused_naming_both() -> None:
     old = hostile(lambda d: d.get("manifest", type=Map).update({**asdict(manifest()), "version": 2}))
-    with pytest.raises(UnsupportedVersion, match="format 2; this node reads format 3"):
+    with pytest.raises(UnsupportedVersion, match=f"format 2; this node reads format {FORMAT_VERSION}"):
         RunState(RUN).apply_remote(old)
 
 

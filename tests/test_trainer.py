@@ -5,8 +5,8 @@ import torch
 
 from training import data
 from training.models import GPT, GPTConfig
-from training.noloco import OuterConfig
-from training.trainer import InnerConfig, PayloadRejected, Trainer
+from training.settings import InnerConfig, OuterConfig
+from training.trainer import PayloadRejected, Trainer
 
 SMALL = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2)
 TOKENS = data.encode(data.embedded_corpus()[:200_000])

@@ -81,6 +81,6 @@ def test_model_config_is_validated() -> None:
 
 def test_torch_free_preset_list_matches_the_models() -> None:
     from training.models import PRESETS
-    from training.worker_config import MODEL_PRESETS
+    from training.settings import MODEL_PRESETS
 
     assert set(MODEL_PRESETS) == set(PRESETS)

@@ -1,6 +1,5 @@
 """The worker as a real process, driven over its control pipe with shared-memory payloads."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +10,19 @@ import torch
 import trio
 
 from node.supervisor import WorkerConnection, attach_block
+from training.settings import InnerConfig, RunSettings
 from training.worker_config import WorkerConfig
 
 SMALL_MODEL = {"context_len": 32, "embed_dim": 32, "num_layers": 2, "num_heads": 2}
 TIMEOUT_S = 120.0
 
 
-async def start_worker(**config: Any) -> WorkerConnection:
+async def start_worker(*, algorithm: str, rounds: int, model: str = "tiny", **config: Any) -> WorkerConnection:
     """A real worker process, spoken to through the daemon's own connection class."""
-    settings = {"model_overrides": SMALL_MODEL, "inner": {"steps_per_round": 5, "lr": 3e-3}, **config}
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "training.worker", json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    run = RunSettings(algorithm=algorithm, rounds=rounds, model=model, inner=InnerConfig(steps_per_round=5, lr=3e-3))
+    worker_config = WorkerConfig(run=run, **{"model_overrides": SMALL_MODEL, **config})
+    command = [sys.executable, "-m", "training.worker", worker_config.to_json()]
+    process = await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     return WorkerConnection(process)
 
 
@@ -84,7 +84,9 @@ async def test_the_worker_exits_quietly_when_its_daemon_goes_away() -> None:
 
 def test_worker_config_is_validated() -> None:
     with pytest.raises(ValueError, match="algorithm"):
-        WorkerConfig(algorithm="allreduce")
+        WorkerConfig(run=RunSettings(algorithm="allreduce"))
+    with pytest.raises(ValueError, match="trains nothing"):
+        WorkerConfig(run=RunSettings(algorithm="none"))
     with pytest.raises(ValueError, match="node_index"):
         WorkerConfig(node_index=3, num_nodes=2)
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests.test_trainer import trainer
 from training import zo
+from training.settings import ZoConfig
 
 G_MAX = 8.0
 
@@ -65,7 +66,7 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
     t = trainer(0, steps=100)
     t.inner_steps()  # a briefly pretrained model, as ZO fine-tuning starts from one
     params = list(t.model.parameters())
-    config = zo.ZoConfig()
+    config = ZoConfig()
     before = t.val_loss()
     for step in range(300):
         x, y = t.shard.batch(batch_size=16, seed=1, step=step)

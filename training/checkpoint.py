@@ -21,7 +21,6 @@ with the reason, and the caller starts over without it.
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
+
+from training.files import write_atomic
 
 FORMAT = "swarmtrain-ckpt/2"
 DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8})
@@ -74,17 +75,7 @@ def encode(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> byte
 
 def save(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
     """Write atomically: tmp file, fsync, rename. ``OSError`` (a full disk...) leaves the old file."""
-    tmp = path.with_name(path.name + ".tmp")
-    data = encode(tensors, meta)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, encode(tensors, meta))
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -27,23 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from training.settings import OuterConfig
+
 Params = list[torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OuterConfig:
-    alpha: float = 0.5
-    """Outer momentum decay α."""
-    beta: float = 0.7
-    """Outer learning rate β on the averaged outer gradient."""
-    gamma: float = 0.7
-    """Pull γ of our slow weights towards the pair's mean (NoLoCo only)."""
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [0, 2], got {value}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,7 +19,6 @@ sent is kept (``sent``) and stands in for its own φ and Δ in the outer step.
 """
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +27,6 @@ from training.checkpoint import CheckpointError
 from training.data import Shard
 from training.models import GPT
 from training.noloco import (
-    OuterConfig,
     Params,
     PartnerBounds,
     PartnerRefused,
@@ -39,24 +37,7 @@ from training.noloco import (
     outer_gradient,
 )
 from training.quantize import BLOCK, dequantize, quantize
-from training.worker_config import COMPRESSIONS
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InnerConfig:
-    steps_per_round: int = 50
-    """H: inner steps between outer steps."""
-    lr: float = 1e-3
-    """AdamW learning rate of the inner steps."""
-    weight_decay: float = 0.1
-    batch_size: int = 8
-    grad_clip: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.steps_per_round < 1 or self.batch_size < 1:
-            raise ValueError("steps_per_round and batch_size must be >= 1")
-        if not (self.lr > 0 and self.grad_clip > 0 and self.weight_decay >= 0):
-            raise ValueError("lr and grad_clip must be > 0, weight_decay >= 0")
+from training.settings import COMPRESSIONS, InnerConfig, OuterConfig
 
 
 class PayloadRejected(ValueError):

@@ -9,7 +9,6 @@ resumes from its checkpoint (its "ready" says from which round). stdout carries 
 to stderr.
 """
 
-import json
 import logging
 import sys
 import time
@@ -22,8 +21,8 @@ import torch
 
 from training import checkpoint, data, ipc, zo
 from training.models import GPT, GPTConfig, preset
-from training.noloco import OuterConfig
-from training.trainer import InnerConfig, PayloadRejected, Trainer
+from training.settings import ZoConfig
+from training.trainer import PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
@@ -36,7 +35,7 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         # A GPU machine with a CPU build of torch: train anyway (a crash would only loop).
         logger.warning("device cuda asked for, but this torch sees no CUDA device: training on the CPU")
         device = "cpu"
-    model_config = GPTConfig(**{**_fields(preset(config.model)), **config.model_overrides})
+    model_config = GPTConfig(**{**_fields(preset(config.run.model)), **config.model_overrides})
     torch.manual_seed(config.seed)
     model = GPT(model_config)
     tokens = data.encode(data.read_corpus(None if config.data_path is None else Path(config.data_path)))
@@ -46,10 +45,10 @@ def build_trainer(config: WorkerConfig) -> Trainer:
     return Trainer(
         model,
         shard,
-        inner=InnerConfig(**config.inner),
-        outer=OuterConfig(**config.outer),
+        inner=config.run.inner,
+        outer=config.run.outer,
         seed=config.node_index if config.batch_seed is None else config.batch_seed,
-        compression=config.compression,
+        compression=config.run.compression,
         device=device,
         compile_model=config.compile == "on" or (config.compile == "auto" and device == "cuda"),
     )
@@ -102,7 +101,7 @@ def save(config: WorkerConfig, trainer: Trainer) -> str | None:
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
     trainer = build_trainer(config)
-    if config.algorithm == "zo":
+    if config.run.algorithm == "zo":
         _zo_rounds(config, trainer, commands, replies)
         return
     resume(config, trainer)
@@ -138,7 +137,7 @@ def _rounds(
             inbox=inbox.name,
             round=trainer.round,
         )
-        for round_index in range(trainer.round, config.rounds):
+        for round_index in range(trainer.round, config.run.rounds):
             started = time.perf_counter()
             train_loss = trainer.inner_steps()
             out_view.copy_(trainer.outer_payload())
@@ -168,15 +167,15 @@ def _rounds(
                 except PayloadRejected as exc:
                     refusal = str(exc)[:200]
                 ipc.write_blocking(replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal)
-            if config.algorithm == "diloco":
+            if config.run.algorithm == "diloco":
                 collected[str(command.get("key"))] = trainer.own_delta()
                 trainer.apply_diloco([collected[key] for key in sorted(collected)])
                 used = len(collected) > 1
             else:
                 peer = in_view.clone() if command.get("peer") is True else None
-                used = trainer.apply_outer(peer, algorithm=config.algorithm)
+                used = trainer.apply_outer(peer, algorithm=config.run.algorithm)
             save_error = save(config, trainer)  # before "outer_done": a round the daemon counted is kept
-            rejected = trainer.last_rejection if config.algorithm == "noloco" else None
+            rejected = trainer.last_rejection if config.run.algorithm == "noloco" else None
             ipc.write_blocking(
                 replies, "outer_done", round=round_index, used_peer=used, rejected=rejected, save_error=save_error
             )
@@ -205,7 +204,7 @@ def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
     return updates
 
 
-def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: zo.ZoConfig, step: int, seed: int) -> int:
+def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, step: int, seed: int) -> int:
     """One update: g by SPSA on this step's batch, as one byte."""
     batch = trainer.shard.batch(batch_size=trainer.inner.batch_size, seed=trainer.seed, step=step)
 
@@ -222,7 +221,7 @@ def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: zo.ZoConfig,
 
 
 def _zo_step(
-    trainer: Trainer, params: Sequence[torch.Tensor], config: zo.ZoConfig, round_index: int, seeds: list[int]
+    trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, round_index: int, seeds: list[int]
 ) -> dict[str, Any]:
     """Our updates for a round: one per seed, all at this round's weights (the log applies
     them, with everyone's, before the next round)."""
@@ -263,7 +262,7 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
     round of the log, in the canonical order: one message is one summed group, so the
     grouping is part of the arithmetic) and asks for our own updates of a round; the
     weights are the genesis weights plus the applied log, never anything else."""
-    zo_config = zo.ZoConfig(**config.zo)
+    zo_config = config.run.zo
     params = list(trainer.model.parameters())
     genesis = [p.detach().clone() for p in params]
     trainer.model.eval()
@@ -314,7 +313,7 @@ def _zo_rounds(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, repli
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
-    config = WorkerConfig(**json.loads(sys.argv[1]))
+    config = WorkerConfig.from_json(sys.argv[1])
     try:
         run(config, sys.stdin.buffer, sys.stdout.buffer)
     except ipc.IpcError as exc:

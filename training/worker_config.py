@@ -1,35 +1,24 @@
 """The worker's settings, torch-free: the daemon builds them and passes them as JSON."""
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ALGORITHMS = ("noloco", "diloco", "local", "zo")
-# The presets of training/models.py, named here so torch-free code (the daemon) can check them.
-MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
+from training import settings
+from training.settings import RunSettings
+
 DEVICES = ("cpu", "cuda")
 COMPILE_MODES = ("auto", "on", "off")
-# Outer payload encodings (training/trainer.py has the wire layout).
-COMPRESSIONS = ("none", "int8")
 
 
 @dataclass(kw_only=True, slots=True)
 class WorkerConfig:
-    model: str = "tiny"
-    """Model preset (training/models.py)."""
+    run: RunSettings = field(default_factory=lambda: RunSettings(algorithm="noloco"))
+    """The run's settings, whole (over JSON: their ``to_dict()``, read back strictly)."""
     model_overrides: dict[str, int] = field(default_factory=dict)
     """Preset fields to change, e.g. {"num_layers": 2} for tests."""
-    algorithm: str = "noloco"
-    compression: str = "none"
-    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes)."""
     node_index: int = 0
     num_nodes: int = 1
-    rounds: int = 10
-    inner: dict[str, Any] = field(default_factory=dict)
-    """InnerConfig fields."""
-    outer: dict[str, float] = field(default_factory=dict)
-    """OuterConfig fields."""
-    zo: dict[str, float] = field(default_factory=dict)
-    """ZoConfig fields (algorithm zo)."""
     data_path: str | None = None
     """Text file or folder; the embedded corpus when None."""
     seed: int = 0
@@ -49,10 +38,10 @@ class WorkerConfig:
         """The settings a checkpoint must have been saved with to be resumed (not ``rounds``:
         a run may be extended)."""
         return {
-            "model": self.model,
+            "model": self.run.model,
             "model_overrides": dict(sorted(self.model_overrides.items())),
-            "algorithm": self.algorithm,
-            "compression": self.compression,
+            "algorithm": self.run.algorithm,
+            "compression": self.run.compression,
             "node_index": self.node_index,
             "num_nodes": self.num_nodes,
             "data_path": self.data_path,
@@ -61,15 +50,19 @@ class WorkerConfig:
         }
 
     def __post_init__(self) -> None:
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if not self.run.trains:
+            raise ValueError("a worker needs a run that trains (algorithm none trains nothing)")
         if self.device not in DEVICES or self.compile not in COMPILE_MODES:
             raise ValueError(f"device must be one of {DEVICES} and compile one of {COMPILE_MODES}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if not 0 <= self.node_index < self.num_nodes:
             raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
-        if self.rounds < 1 or self.threads < 1:
-            raise ValueError("rounds and threads must be >= 1")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "run": self.run.to_dict()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerConfig":
+        raw = json.loads(text)
+        return cls(**{**raw, "run": settings.from_dict(raw.get("run"))})

@@ -18,11 +18,11 @@ bytes and every peer applies every update (kernels/zo_apply.py) in one agreed or
 import decimal
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kernels import zo_apply
+from training.settings import ZoConfig
 
 LEVELS = 127
 STEPS_PER_OCTAVE = 12
@@ -41,21 +41,6 @@ MAGNITUDES = _table()
 """MAGNITUDES[q] = float32(2^((q − 127)/12)); MAGNITUDES[0] = 0."""
 # Nearest level in log space: the geometric midpoints between neighbouring levels.
 _MIDPOINTS = torch.sqrt(MAGNITUDES[1:-1].double() * MAGNITUDES[2:].double()).float()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ZoConfig:
-    eps: float = 1e-3
-    """Perturbation size ε."""
-    lr: float = 3e-3
-    """Step size of θ ← θ − lr·g·z."""
-    g_max: float = 16.0
-    """Largest |g| a one-byte scalar can carry; larger ones saturate."""
-
-    def __post_init__(self) -> None:
-        for name in ("eps", "lr", "g_max"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def encode_g(g: float, g_max: float) -> int:

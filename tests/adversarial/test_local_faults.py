@@ -31,11 +31,11 @@ async def test_saved_state_that_crashed_pycrdt_is_moved_aside_and_the_node_start
 async def test_a_full_disk_under_the_run_state_is_an_error_not_a_crash(short_tmp: Path) -> None:
     runs = short_tmp / "n0" / "runs"
     runs.mkdir(parents=True)
-    (runs / f"{RUN_ID}.tmp").symlink_to("/dev/full")  # the next save's temp file is a full disk
+    (runs / f"{RUN_ID}.crdt.tmp").symlink_to("/dev/full")  # the next save's temp file is a full disk
     async with open_swarm(short_tmp) as swarm:
         node = await swarm.start("n0", run__run_id=RUN_ID)
         assert node.run_service is not None
         node._save(node.run_service.state)  # ENOSPC: logged, the daemon goes on
-        assert not (runs / f"{RUN_ID}.tmp").exists()  # no debris (the link went with the failed write)
+        assert not (runs / f"{RUN_ID}.crdt.tmp").exists()  # no debris (the link went with the failed write)
         node._save(node.run_service.state)  # the retry works
         assert (runs / f"{RUN_ID}.crdt").read_bytes() == node.run_service.state.encode()

@@ -20,10 +20,10 @@ from tests.conftest import open_swarm
 pytestmark = pytest.mark.integration
 ROUNDS = 6
 TRAINING = {
-    "training__algorithm": "noloco",
-    "training__model": "micro",
-    "training__rounds": ROUNDS,
-    "training__steps_per_round": 5,
+    "run__settings__algorithm": "noloco",
+    "run__settings__model": "micro",
+    "run__settings__rounds": ROUNDS,
+    "run__settings__inner__steps_per_round": 5,
     "training__pair_timeout_s": 20.0,
 }
 TIMEOUT_S = 240.0

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.integration
 ROUNDS = 8
 STEPS = 5
 TRAINING = {
-    "training__algorithm": "zo",
-    "training__model": "micro",
-    "training__rounds": ROUNDS,
-    "training__steps_per_round": STEPS,
+    "run__settings__algorithm": "zo",
+    "run__settings__model": "micro",
+    "run__settings__rounds": ROUNDS,
+    "run__settings__inner__steps_per_round": STEPS,
     "training__pair_timeout_s": 20.0,
 }
 TIMEOUT_S = 300.0

@@ -1,0 +1,264 @@
+"""What a run trains: one `RunSettings`, defined and validated here, used whole everywhere.
+
+It flows unchanged from the TOML file (`[run.settings]`) or CLI flags (`--algorithm`,
+`--set outer.beta=0.5`…) of the node that creates the run into the run manifest
+(protocol/state.py carries it as `encode()` bytes, signed by the creator), to every
+joiner (which adopts the run's, whatever its own say), to the worker (training/worker.py,
+as `to_dict()` JSON) and to `simulate`. Nothing re-declares a field: a new setting is one
+field here.
+
+Torch-free, so the daemon imports it. The manifest's settings are a stranger's bytes:
+`decode` bounds them before anything else, and `from_dict` accepts exactly the fields
+below, each type- and range-checked (a node that does not know a model or an algorithm of
+a newer release refuses to train in that run, and stays on the network).
+"""
+
+import math
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any
+
+import msgpack
+
+# "none": the run trains nothing (its nodes form the network only).
+ALGORITHMS = ("none", "noloco", "diloco", "local", "zo")
+# The presets of training/models.py, named here so torch-free code (the daemon) can check them.
+MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
+# Outer payload encodings (training/trainer.py has the wire layout).
+COMPRESSIONS = ("none", "int8")
+# Far above any settings blob (a few hundred bytes): bounds what a manifest can make us decode.
+MAX_ENCODED_NBYTES = 4096
+
+
+class SettingsError(ValueError):
+    """A setting has the wrong name, type or value; the message names it (`outer.beta`)."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SettingsError(message)
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    low_ok = value > lo if lo_open else value >= lo
+    _check(
+        math.isfinite(value) and low_ok and value <= hi,
+        f"{name}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerConfig:
+    """The inner steps (training/trainer.py); ZO uses steps_per_round only."""
+
+    steps_per_round: int = 50
+    """H: inner steps between outer steps (ZO: updates each node publishes per round)."""
+    lr: float = 1e-3
+    """Inner AdamW learning rate."""
+    weight_decay: float = 0.1
+    batch_size: int = 8
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+
+    def __post_init__(self) -> None:
+        _in_range("inner.steps_per_round", self.steps_per_round, 1, 1 << 20)
+        _in_range("inner.batch_size", self.batch_size, 1, 1 << 16)
+        _in_range("inner.lr", self.lr, 0.0, 1.0, lo_open=True)
+        _in_range("inner.weight_decay", self.weight_decay, 0.0, 10.0)
+        _in_range("inner.grad_clip", self.grad_clip, 0.0, 1e6, lo_open=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterConfig:
+    """The outer step of NoLoCo and DiLoCo (training/noloco.py)."""
+
+    alpha: float = 0.5
+    """Outer momentum decay α."""
+    beta: float = 0.7
+    """Outer learning rate β on the averaged outer gradient."""
+    gamma: float = 0.7
+    """Pull γ of our slow weights towards the pair's mean (NoLoCo only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            _in_range(f"outer.{name}", getattr(self, name), 0.0, 2.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZoConfig:
+    """Seed-based zeroth-order steps (training/zo.py)."""
+
+    eps: float = 1e-3
+    """Perturbation size ε of the two forwards."""
+    lr: float = 3e-3
+    """Step size: θ ← θ − lr·g·z."""
+    g_max: float = 16.0
+    """Largest |g| one byte carries (larger saturates)."""
+
+    def __post_init__(self) -> None:
+        _in_range("zo.eps", self.eps, 0.0, 1.0, lo_open=True)
+        _in_range("zo.lr", self.lr, 0.0, 1.0, lo_open=True)
+        _in_range("zo.g_max", self.g_max, 0.0, 1e6, lo_open=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSettings:
+    """Everything every trainer of a run must do alike; the run's creator decides."""
+
+    algorithm: str = "none"
+    """none (network only), noloco, diloco (average with every live peer: a baseline),
+    local (no averaging: the other baseline) or zo (seed-based zeroth-order)."""
+    model: str = "tiny"
+    """Model preset (training/models.py)."""
+    rounds: int = 20
+    """Outer rounds to train, then the workers stop (the nodes stay on the network)."""
+    compression: str = "none"
+    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes)."""
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    zo: ZoConfig = field(default_factory=ZoConfig)
+
+    def __post_init__(self) -> None:
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _choice("model", self.model, MODEL_PRESETS)
+        _choice("compression", self.compression, COMPRESSIONS)
+        _in_range("rounds", self.rounds, 1, 1 << 30)
+
+    @property
+    def trains(self) -> bool:
+        return self.algorithm != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def encode(self) -> bytes:
+        """Canonical bytes (the manifest signs them): msgpack of `to_dict`, fields in order."""
+        packed: bytes = msgpack.packb(self.to_dict(), use_bin_type=True)
+        return packed
+
+    def flat(self) -> dict[str, Any]:
+        """Every leaf by its dotted name: {"inner.lr": 0.001, ...}."""
+        return _flatten(self.to_dict())
+
+    def differences(self, other: "RunSettings") -> list[str]:
+        """'name ours -> theirs' for every leaf setting that differs."""
+        ours, theirs = _flatten(self.to_dict()), _flatten(other.to_dict())
+        return [f"{name} {ours[name]!r} -> {theirs[name]!r}" for name in ours if ours[name] != theirs[name]]
+
+    def with_values(self, values: dict[str, Any]) -> "RunSettings":
+        """A copy with dotted-name values in place (`{"outer.beta": 0.5}`), each checked."""
+        nested = self.to_dict()
+        for dotted, value in values.items():
+            *parents, leaf = dotted.split(".")
+            node = nested
+            for part in parents:
+                _check(isinstance(node.get(part), dict), f"{dotted}: unknown setting (known: {', '.join(names())})")
+                node = node[part]
+            _check(
+                leaf in node and not isinstance(node[leaf], dict),
+                f"{dotted}: unknown setting (known: {', '.join(names())})",
+            )
+            node[leaf] = value
+        return from_dict(nested)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name}: must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def names() -> list[str]:
+    """Every settable leaf, dotted (`outer.beta`)."""
+    return list(_flatten(RunSettings().to_dict()))
+
+
+def from_dict(data: Any) -> RunSettings:
+    """The settings ``data`` names (missing ones keep their defaults), each checked: unknown
+    names, wrong types and out-of-range values are a `SettingsError` naming the setting."""
+    settings: RunSettings = _from_dict(data, RunSettings, prefix="")
+    return settings
+
+
+def _from_dict(data: Any, cls: type, *, prefix: str) -> Any:
+    _check(isinstance(data, dict), f"{prefix.rstrip('.') or 'settings'}: expected a table, got {type(data).__name__}")
+    assert is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    unknown = [str(k)[:40] for k in data if k not in known]
+    _check(not unknown, f"{prefix}{unknown[0] if unknown else ''}: unknown setting (known: {', '.join(known)})")
+    values: dict[str, Any] = {}
+    for name in known:
+        if name not in data:
+            continue
+        hint, value, dotted = hints[name], data[name], f"{prefix}{name}"
+        if is_dataclass(hint):
+            values[name] = _from_dict(value, typing.cast(type, hint), prefix=f"{dotted}.")
+        else:
+            values[name] = _scalar(dotted, hint, value)
+    return cls(**values)
+
+
+def _scalar(name: str, hint: Any, value: Any) -> Any:
+    if hint is str:
+        _check(isinstance(value, str) and len(value) <= 64, f"{name}: expected a short string, got {value!r:.40}")
+        return value
+    is_number = not isinstance(value, bool) and isinstance(value, int | float)
+    _check(is_number, f"{name}: expected a number, got {value!r:.40}")
+    if hint is int:
+        # CRDT documents hand small ints back as floats: a whole float is an int.
+        _check(isinstance(value, int) or float(value).is_integer(), f"{name}: expected a whole number, got {value!r}")
+        return int(value)
+    assert hint is float, f"setting {name} has unsupported type {hint}"
+    return float(value)
+
+
+def decode(raw: bytes) -> RunSettings:
+    """Settings from `encode()` bytes (a stranger's, in a manifest): bounded, then checked."""
+    _check(len(raw) <= MAX_ENCODED_NBYTES, f"settings of {len(raw)} bytes exceed {MAX_ENCODED_NBYTES}")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise SettingsError(f"settings: undecodable: {exc}") from exc
+    return from_dict(data)
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` from the command line (`outer.beta=0.5`): the name checked, the value
+    read as the setting's type."""
+    name, sep, value = text.partition("=")
+    name, value = name.strip(), value.strip()
+    _check(bool(sep) and bool(name), f"{text!r}: expected NAME=VALUE, e.g. outer.beta=0.5")
+    default = _flatten(RunSettings().to_dict()).get(name)
+    _check(default is not None, f"{name}: unknown setting (known: {', '.join(names())})")
+    if isinstance(default, str):
+        return name, value
+    try:
+        return name, int(value) if isinstance(default, int) else float(value)
+    except ValueError as exc:
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        raise SettingsError(f"{name}: expected {kind}, got {value!r}") from exc
+
+
+__all__ = [
+    "ALGORITHMS",
+    "COMPRESSIONS",
+    "MODEL_PRESETS",
+    "InnerConfig",
+    "OuterConfig",
+    "RunSettings",
+    "SettingsError",
+    "ZoConfig",
+    "decode",
+    "from_dict",
+    "names",
+    "parse_assignment",
+]
