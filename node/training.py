@@ -71,6 +71,9 @@ def adopt(ours: RunSettings, manifest: Manifest) -> RunSettings | None:
     """The run's settings (its creator's, whatever ``ours`` say); None if the run trains
     nothing or asks what this node cannot do (a model of a newer release): the node then
     stays on the network without training."""
+    if not manifest.settings:
+        logger.info("the run trains nothing (no settings): network only")
+        return None
     try:
         theirs = settings.decode(manifest.settings)
     except settings.SettingsError as exc:

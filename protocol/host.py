@@ -83,6 +83,9 @@ HOST_CLOSE_TIMEOUT_S = 5.0
 # An inbound stream's handler ends within this unless its protocol sets its own bound:
 # our control exchanges take milliseconds, and a peer that stalls must not hold a task.
 HANDLER_DEADLINE_S = 30.0
+# Closing or resetting a stream writes one yamux frame: bounded, so a dead connection never
+# holds a shielded close for long.
+STREAM_CLOSE_TIMEOUT_S = 5.0
 # Reads up to this size are allocated at once; larger ones grow chunk by chunk as bytes
 # arrive, counted in the host's FrameBudget (a stalled sender holds only what it sent).
 SMALL_READ_NBYTES = 64 << 10
@@ -249,16 +252,28 @@ class Stream:
             raise StreamError(f"write failed: {exc}") from exc
 
     async def close(self) -> None:
-        try:
-            await self._raw.close()
-        except BaseLibp2pError as exc:
-            logger.debug("closing stream to %s: %s", self.peer_id, exc)
+        """Close our end, even from a cancelled scope (see ``reset``); a close that does not
+        finish in ``STREAM_CLOSE_TIMEOUT_S`` becomes a reset."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S) as scope:
+                try:
+                    await self._raw.close()
+                except BaseLibp2pError as exc:
+                    logger.debug("closing stream to %s: %s", self.peer_id, exc)
+            if scope.cancelled_caught:
+                await self.reset()
 
     async def reset(self) -> None:
-        try:
-            await self._raw.reset()
-        except BaseLibp2pError as exc:
-            logger.debug("resetting stream to %s: %s", self.peer_id, exc)
+        """Reset the stream, even from a cancelled scope: yamux gives an opened stream's slot
+        back (256 per connection) only when its close or reset runs to the end, and a close
+        cancelled at its first checkpoint leaked the slot for the connection's life. Seen in
+        a 16-node soak: after enough timed-out exchanges every new stream between two
+        daemons waited forever for a slot, so no pull between them ever worked again."""
+        with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
+            try:
+                await self._raw.reset()
+            except BaseLibp2pError as exc:
+                logger.debug("resetting stream to %s: %s", self.peer_id, exc)
 
 
 class Host:

@@ -81,6 +81,9 @@ class StateSync:
                 await stream.reset()  # document is no misbehaviour, anything malformed is
                 await self._host.guard.judge(peer_id, "state sync", exc)
                 raise
+            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
+                await stream.reset()
+                raise
             await stream.close()
         if scope.cancelled_caught:
             raise ProtocolError(f"state sync with {peer_id} timed out")

@@ -124,6 +124,9 @@ class ZoCheckpoints:
             except trio.TooSlowError as exc:
                 await stream.reset()
                 raise ProtocolError(f"{peer_id} did not describe its checkpoint in time") from exc
+            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
+                await stream.reset()
+                raise
             await stream.close()
             return offer
         assert scope.cancelled_caught

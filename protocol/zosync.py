@@ -178,6 +178,9 @@ class ZoLogSync:
                 await stream.reset()
                 await self._host.guard.judge(peer_id, "zo log pull", exc)
                 raise
+            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
+                await stream.reset()
+                raise
             await stream.close()
         if scope.cancelled_caught:
             raise ProtocolError(f"zo log pull from {peer_id} timed out")

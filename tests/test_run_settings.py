@@ -78,6 +78,8 @@ def test_settings_round_trip_through_every_carrier() -> None:
         ({"zo": 5}, "zo"),
         ({"model": "x" * 1000}, "model"),
         ({"learning_rate": 1.0}, "learning_rate"),
+        ({"rounds": 10**400}, "rounds"),
+        ({"inner": {"lr": 10**400}}, "inner.lr"),
     ],
 )
 def test_a_bad_setting_is_named(data: dict[str, object], named: str) -> None:

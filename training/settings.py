@@ -41,9 +41,10 @@ def _check(ok: bool, message: str) -> None:
 
 def _in_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
     low_ok = value > lo if lo_open else value >= lo
+    finite = not isinstance(value, float) or math.isfinite(value)  # ints compare exactly, however large
     _check(
-        math.isfinite(value) and low_ok and value <= hi,
-        f"{name}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}",
+        finite and low_ok and value <= hi,
+        f"{name}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r:.40}",
     )
 
 
@@ -215,10 +216,14 @@ def _scalar(name: str, hint: Any, value: Any) -> Any:
     _check(is_number, f"{name}: expected a number, got {value!r:.40}")
     if hint is int:
         # CRDT documents hand small ints back as floats: a whole float is an int.
-        _check(isinstance(value, int) or float(value).is_integer(), f"{name}: expected a whole number, got {value!r}")
+        whole = isinstance(value, int) or value.is_integer()
+        _check(whole, f"{name}: expected a whole number, got {value!r:.40}")
         return int(value)
     assert hint is float, f"setting {name} has unsupported type {hint}"
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError as exc:
+        raise SettingsError(f"{name}: {str(value)[:40]}... is too large") from exc
 
 
 def decode(raw: bytes) -> RunSettings:

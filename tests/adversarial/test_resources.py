@@ -16,11 +16,13 @@ import trio
 
 from node import api
 from protocol import exchange, wire
+from protocol import sync as sync_module
 from protocol.data_channel import DataChannel
 from protocol.errors import BadMessage, ProtocolError
 from protocol.exchange import TensorReceiver
 from protocol.host import FRAME_BUDGET_PER_PEER_NBYTES, Host, Stream, open_host, parse_dial_addr
 from protocol.pairing import Pairing
+from protocol.state import RunState
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.integration
@@ -173,3 +175,55 @@ async def test_the_control_socket_serves_hundreds_of_concurrent_clients(short_tm
                     clients.start_soon(client)
         nursery.cancel_scope.cancel()
     assert answered == 200
+
+
+# yamux (py-libp2p 0.8.1) gives each connection 256 slots for the streams it opens.
+YAMUX_SLOTS = 256
+
+
+async def test_requests_a_peer_stalls_until_we_give_up_give_their_streams_back() -> None:
+    """A peer that never answers makes each request of ours time out (or a slow machine
+    does, for an honest one). Each cancelled request must still give its stream's slot back:
+    before, a close cancelled at its first checkpoint, or a pull abandoned by its timeout,
+    leaked the slot for the connection's life, and after 256 no stream to that peer ever
+    opened again (seen in the 16-node soak: every state and ZO pull between two daemons
+    failed, and their ZO logs never converged)."""
+    async with victim_and_attacker() as (victim, staller):
+        never = trio.Event()
+        arrived = trio.Semaphore(0)
+
+        async def never_answer(stream: Stream) -> None:
+            arrived.release()
+            await never.wait()
+
+        staller.set_handler("/test/stall/1.0.0", never_answer, deadline_s=3600)
+        staller.set_handler(sync_module.PROTOCOL_ID, never_answer, deadline_s=3600)
+        first = await victim.open_stream(staller.peer_id, "/test/stall/1.0.0", timeout_s=TIMEOUT_S)
+        connection = first._raw.muxed_conn
+        await first.close()
+        for _ in range(YAMUX_SLOTS + 8):  # a caller that closes in `finally`, cancelled mid-read
+            with trio.CancelScope() as scope:
+                stream = await victim.open_stream(staller.peer_id, "/test/stall/1.0.0", timeout_s=TIMEOUT_S)
+                scope.cancel()
+                try:
+                    await stream.read_exact(1)
+                finally:
+                    await stream.close()
+        puller = sync_module.StateSync(victim, RunState("demo-abcdef"))
+        for _ in range(YAMUX_SLOTS + 8):  # the real state pull, given up once the peer holds it
+            with trio.fail_after(TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(puller.pull, staller.peer_id)
+                    await arrived.acquire()
+                    nursery.cancel_scope.cancel()
+
+        async def answer(stream: Stream) -> None:
+            await wire.send(stream, "pong", 1, {})
+
+        staller.set_handler("/test/answer/1.0.0", answer)
+        with trio.fail_after(TIMEOUT_S):  # with a leaked slot per request, this open waits forever
+            stream = await victim.open_stream(staller.peer_id, "/test/answer/1.0.0", timeout_s=TIMEOUT_S)
+            reply = await wire.receive(stream, msg_types=frozenset({"pong"}), version=1, max_nbytes=64)
+            await stream.close()
+        assert reply["t"] == "pong"
+        assert stream._raw.muxed_conn is connection  # the same connection all along: its slots came back
