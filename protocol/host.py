@@ -252,15 +252,19 @@ class Stream:
             raise StreamError(f"write failed: {exc}") from exc
 
     async def close(self) -> None:
-        """Close our end, even from a cancelled scope (see ``reset``); a close that does not
-        finish in ``STREAM_CLOSE_TIMEOUT_S`` becomes a reset."""
+        """Close our end, even from a cancelled scope (see ``reset``); a close that fails or
+        does not finish in ``STREAM_CLOSE_TIMEOUT_S`` becomes a reset."""
         with trio.CancelScope(shield=True):
+            failed = False
             with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S) as scope:
                 try:
                     await self._raw.close()
                 except BaseLibp2pError as exc:
+                    # 0.8.1's close tells the swarm the stream is gone only after its own
+                    # close succeeded: a reset does that too, whatever the stream's state.
                     logger.debug("closing stream to %s: %s", self.peer_id, exc)
-            if scope.cancelled_caught:
+                    failed = True
+            if scope.cancelled_caught or failed:
                 await self.reset()
 
     async def reset(self) -> None:

@@ -20,21 +20,32 @@ Global fixes (module state, applied when protocol/host.py is imported, before an
    ``MAX_MULTISELECT_NBYTES`` raise ``MultiselectCommunicatorError``, which libp2p handles,
    in both directions (``Host.open_stream`` no longer sees a bare ``UnicodeDecodeError``).
 
+3. Streams opened under a timeout (every request of ours has one): yamux's ``open_stream``
+   takes one of the connection's 256 stream slots, then writes the SYN, and gives the slot
+   back only if that write raises an ``Exception``; ``SwarmConn.new_stream`` then awaits the
+   swarm's bookkeeping with nothing to undo the stream if it stops there. A cancellation
+   (our timeout) in either place leaked the slot for the connection's life: in the 16-node
+   soak, daemons on 2 cores timed out opens all the time, and after 256 of them to one
+   peer no stream to it ever opened again (every ZO pull to it failed while a fresh
+   connection worked). Now both undo the stream on any exit but a return, cancellation
+   included. Test: tests/adversarial/test_resources.py (an open cancelled mid-SYN).
+
 Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
-3. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
+6. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
    which catches only ``MultiselectError`` around the protocol handler) runs inside our
    guard (protocol/guard.py): a malformed protobuf on pubsub's ``/meshsub`` streams (23
    bytes killed the daemon), a bug in any libp2p handler, resets that stream and
    penalizes its peer instead.
-4. ``Pubsub.push_msg``: a published message whose ``key`` field is garbage makes
+7. ``Pubsub.push_msg``: a published message whose ``key`` field is garbage makes
    ``signature_validator`` re-raise protobuf's ``DecodeError`` in a Pubsub service task,
    ending pubsub and the host. It runs in the guard now; the forwarder is judged.
-5. Bans that hold: ``upgrade_security`` (every inbound and outbound connection, relayed
+8. Bans that hold: ``upgrade_security`` (every inbound and outbound connection, relayed
    ones too, passes there as soon as the peer's id is known) closes a banned peer's
    connection before a single stream can open, in both directions.
 """
 
 import logging
+import struct
 from typing import Any
 
 import libp2p.kad_dht.common as _kad_common
@@ -48,11 +59,14 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError, ParseError
 from libp2p.io.exceptions import IOException
+from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.network.stream.net_stream import INetStream
 from libp2p.peer.id import ID
 from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.stream_muxer.exceptions import MuxedStreamError
+from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_WINDOW_UPDATE, YAMUX_HEADER_FORMAT, Yamux, YamuxStream
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from protocol.guard import Guard
@@ -82,8 +96,55 @@ async def _multiselect_read(self: MultiselectCommunicator) -> str:
         raise MultiselectCommunicatorError("multiselect message is not UTF-8") from error
 
 
+async def _yamux_open_stream(self: Yamux) -> YamuxStream:
+    """0.8.1's ``Yamux.open_stream``, with the slot and the stream undone on any failure
+    of the SYN write, a cancellation included (fix 3)."""
+    await self.stream_backlog_semaphore.acquire()  # cancelled here, nothing is held yet
+    try:
+        async with self.streams_lock:
+            if self.event_shutting_down.is_set():
+                raise MuxedStreamError("Connection is shutting down")
+            stream_id = self.next_stream_id
+            self.next_stream_id += 2
+            stream = YamuxStream(stream_id, self, True)
+            stream._owns_backlog_slot = True
+            self.streams[stream_id] = stream
+            self.stream_buffers[stream_id] = bytearray()
+            self.stream_events[stream_id] = trio.Event()
+    except BaseException:
+        self.stream_backlog_semaphore.release()
+        raise
+    try:
+        await self._write_frame(struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_WINDOW_UPDATE, FLAG_SYN, stream_id, 0))
+    except BaseException as exc:
+        stream._backlog_slot_released = True
+        self.stream_backlog_semaphore.release()
+        for table in (self.streams, self.stream_buffers, self.stream_events):
+            table.pop(stream_id, None)  # no await: nothing can cancel this part
+        if isinstance(exc, Exception):
+            raise MuxedStreamError(f"Failed to send SYN: {exc}") from exc
+        raise
+    return stream
+
+
+async def _swarm_conn_new_stream(self: SwarmConn) -> Any:
+    """0.8.1's ``SwarmConn.new_stream``; a stream its bookkeeping does not finish is reset (fix 3)."""
+    muxed_stream = await self.muxed_conn.open_stream()
+    try:
+        return await self._add_stream(muxed_stream)
+    except BaseException:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await muxed_stream.reset()
+            except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                logger.debug("resetting a stream we could not finish opening: %s", exc)
+        raise
+
+
 _use_our_kad_id()
 MultiselectCommunicator.read = _multiselect_read
+Yamux.open_stream = _yamux_open_stream
+SwarmConn.new_stream = _swarm_conn_new_stream
 
 
 def _peer_of(net_stream: INetStream) -> str:
@@ -102,7 +163,7 @@ async def _reset(net_stream: INetStream) -> None:
 
 
 def guard_host(raw_host: IHost, pubsub: Pubsub, guard: Guard) -> None:
-    """Fixes 3-5 above, for one host."""
+    """Fixes 6-8 above, for one host."""
     network = raw_host.get_network()
     handle_stream = network.common_stream_handler
 

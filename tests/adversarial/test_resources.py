@@ -227,3 +227,42 @@ async def test_requests_a_peer_stalls_until_we_give_up_give_their_streams_back()
             await stream.close()
         assert reply["t"] == "pong"
         assert stream._raw.muxed_conn is connection  # the same connection all along: its slots came back
+
+
+async def test_opens_our_timeout_cancels_give_their_streams_back() -> None:
+    """An open cancelled while yamux writes its SYN (the connection's writer is busy: a
+    peer that reads slowly, a loaded machine) must give the stream's slot back. py-libp2p
+    0.8.1 releases it only on an ``Exception``, not on a cancellation: in the 16-node soak
+    daemons on 2 cores timed out opens all the time, and after 256 of them to one peer no
+    stream to it ever opened again (every ZO pull and checkpoint request to it timed out,
+    while a fresh connection to the same daemon worked)."""
+    async with victim_and_attacker() as (victim, peer):
+
+        async def answer(stream: Stream) -> None:
+            await wire.send(stream, "pong", 1, {})
+
+        peer.set_handler("/test/answer/1.0.0", answer)
+        first = await victim.open_stream(peer.peer_id, "/test/answer/1.0.0", timeout_s=TIMEOUT_S)
+        connection = first._raw.muxed_conn
+        await first.close()
+        free = connection.stream_backlog_semaphore.value
+        busy, done = trio.Event(), trio.Event()
+
+        async def hold_the_writer() -> None:
+            async with connection._write_lock:  # the writer is busy: every SYN waits
+                busy.set()
+                await done.wait()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold_the_writer)
+            await busy.wait()
+            for _ in range(8):
+                with pytest.raises(ProtocolError, match="timed out"):
+                    await victim.open_stream(peer.peer_id, "/test/answer/1.0.0", timeout_s=0.05)
+            done.set()
+        assert connection.stream_backlog_semaphore.value == free
+        with trio.fail_after(TIMEOUT_S):
+            stream = await victim.open_stream(peer.peer_id, "/test/answer/1.0.0", timeout_s=TIMEOUT_S)
+            reply = await wire.receive(stream, msg_types=frozenset({"pong"}), version=1, max_nbytes=64)
+            await stream.close()
+        assert reply["t"] == "pong" and stream._raw.muxed_conn is connection
