@@ -130,11 +130,11 @@ async def one_run(
 
 async def arm(attack: str, hostile: Daemon, args: argparse.Namespace) -> None:
     if attack == "poison":
-        attacks.poison_payloads(hostile, -1000.0)
+        await attacks.poison_payloads(hostile, -1000.0)
     elif attack == "hijack":
-        attacks.never_send(hostile)
+        await attacks.never_send(hostile)
     else:  # ZO: once it has published its first round, it gossips the bad batch now and then
-        await until(lambda: hostile.training is not None and hostile.training._zo is not None)
+        await until(lambda: attacks.has_zo(hostile))
         zo = attacks.zo_of(hostile)
         await until(lambda: zo.log.next_seq(hostile.peer_id) >= args.inner_steps)
         flood = attack == "flood"
@@ -145,7 +145,7 @@ async def arm(attack: str, hostile: Daemon, args: argparse.Namespace) -> None:
 
 
 def weights_of(daemon: Daemon) -> str | None:
-    return daemon.training._zo.param_hash if daemon.training and daemon.training._zo else None
+    return attacks.zo_of(daemon).param_hash if attacks.has_zo(daemon) else None
 
 
 def finished(daemon: Daemon) -> bool:

@@ -2,8 +2,8 @@
 bench/adversarial.py. Each function turns one in-process daemon (node.daemon.Daemon) of a
 run into an attacker; nothing here ships in the daemon itself.
 
-    poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
-    never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
+    await poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
+    await never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
     flood_batch(d, n)           ZO: one signed batch of n entries for its current round, every
                                 g the largest (n > steps per round breaks the run's rules)
     equivocation(d)             ZO: another signed batch for its sequence numbers 0…H-1
@@ -15,14 +15,23 @@ from typing import Any
 import numpy as np
 import trio
 
+from node.algorithms.noloco import Noloco
+from node.algorithms.zo import Zo, ZoRounds
 from node.daemon import Daemon
-from node.zo import ZoRounds
 from protocol import zolog
+from protocol.pairing import Pairing
 
 
-def poison_payloads(daemon: Daemon, scale: float) -> None:
+async def pairing_of(daemon: Daemon) -> Pairing:
+    """A NoLoCo node's pairing, once its algorithm is there (before its first round ends)."""
     assert daemon.training is not None
-    pairing = daemon.training._pairing
+    await daemon.training.started.wait()
+    assert isinstance(daemon.training.algorithm, Noloco), "not a NoLoCo trainer"
+    return daemon.training.algorithm.pairing
+
+
+async def poison_payloads(daemon: Daemon, scale: float) -> None:
+    pairing = await pairing_of(daemon)
     send = pairing._send
 
     async def poisoned(partner: str, current: Any, sent: trio.Event) -> None:
@@ -33,9 +42,8 @@ def poison_payloads(daemon: Daemon, scale: float) -> None:
     pairing._send = poisoned  # type: ignore[method-assign]
 
 
-def never_send(daemon: Daemon) -> None:
-    assert daemon.training is not None
-    pairing = daemon.training._pairing
+async def never_send(daemon: Daemon) -> None:
+    pairing = await pairing_of(daemon)
 
     def nothing(current: Any) -> None:
         sent = trio.Event()
@@ -45,9 +53,13 @@ def never_send(daemon: Daemon) -> None:
     pairing._start_sending = nothing  # type: ignore[method-assign]
 
 
+def has_zo(daemon: Daemon) -> bool:
+    return daemon.training is not None and isinstance(daemon.training.algorithm, Zo)
+
+
 def zo_of(daemon: Daemon) -> ZoRounds:
-    assert daemon.training is not None and daemon.training._zo is not None, "not a ZO trainer (yet)"
-    return daemon.training._zo
+    assert daemon.training is not None and isinstance(daemon.training.algorithm, Zo), "not a ZO trainer (yet)"
+    return daemon.training.algorithm.rounds
 
 
 def flood_batch(daemon: Daemon, num_entries: int, *, round_index: int | None = None) -> zolog.Batch:

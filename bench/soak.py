@@ -41,7 +41,7 @@ POLL_S = 2.0
 API_WAIT_S = 120.0
 FINISH_TIMEOUT_S = 1800.0
 # Liveness tuned for a soak: a killed node is noticed in seconds, not half a minute.
-FLAGS = ["--heartbeat-s", "2", "--peer-ttl-s", "10", "--log-level", "warning"]
+FLAGS = ["--heartbeat-s", "2", "--peer-ttl-s", "10"]
 
 
 @dataclass(slots=True)
@@ -125,7 +125,7 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
         data_dir = base / name
         data_dir.mkdir(mode=0o700)
         argv = ["node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"]
-        return Node(name, data_dir, [*argv, *FLAGS, *flags])
+        return Node(name, data_dir, [*argv, *FLAGS, "--log-level", args.log_level, *flags])
 
     started = trio.current_time()
     boot = make("boot", ["--new-run", "soak", "--role", "bootstrap", *run_flags])
@@ -140,7 +140,9 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
         node.start()
     victims = rng.sample(nodes, max(1, round(args.kill_fraction * len(nodes))))
     kills = restarts = 0
-    print(f"{algorithm}: {len(nodes)} nodes, victims {[v.name for v in victims]}", file=sys.stderr, flush=True)
+    print(
+        f"{algorithm}: {len(nodes)} nodes in {base}, victims {[v.name for v in victims]}", file=sys.stderr, flush=True
+    )
     try:
         chaos_until = trio.current_time() + args.minutes * 60
         dead: dict[str, float] = {}  # victim name → when to restart it
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-fraction", type=float, default=0.25)
     parser.add_argument("--kill-every-s", type=float, default=30.0, help="mean time between kills")
     parser.add_argument("--down-s", type=float, nargs=2, default=(5.0, 30.0), help="how long a killed node stays down")
+    parser.add_argument("--log-level", default="warning", help="the nodes' (their logs: <tmp dir>/<node>/node.log)")
     args = parser.parse_args(argv)
     print(json.dumps(trio.run(main_async, args), indent=1))
 

@@ -44,7 +44,7 @@ def _node(
     results: "multiprocessing.Queue[Any]",
 ) -> None:
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (py-libp2p print()s its shutdown noise)
-    from node.diloco import DilocoExchange
+    from node.algorithms.diloco import DilocoExchange
     from protocol.data_channel import DataChannel
     from protocol.exchange import TensorReceiver
     from protocol.host import open_host, parse_dial_addr

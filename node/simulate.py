@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from node import api
+from node import algorithms, api
 from node.children import Child, start_forkserver
 from node.errors import ApiError, ConfigError, NodeError
 from node.netbed import Netbed, NetbedUnavailable
@@ -94,7 +94,7 @@ class SimulationOptions:
         if not 1 <= self.num_nodes <= MAX_NODES:
             raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
         if self.timeout_s is None:
-            self.timeout_s = CONVERGE_TIMEOUT_S if self.settings.algorithm == "none" else TRAIN_TIMEOUT_S
+            self.timeout_s = CONVERGE_TIMEOUT_S if not self.settings.trains else TRAIN_TIMEOUT_S
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
@@ -110,7 +110,7 @@ class SimulationOptions:
 
     def training_flags(self, index: int) -> list[str]:
         """A node's own part: its data shard (the rest comes from the manifest)."""
-        return [] if self.settings.algorithm == "none" else ["--data-shard", f"{index}/{self.num_nodes}"]
+        return [] if not self.settings.trains else ["--data-shard", f"{index}/{self.num_nodes}"]
 
 
 @dataclass(slots=True)
@@ -258,9 +258,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         converged_at: float | None = None
         last_print = -1e9
         assert options.timeout_s is not None
-        stop_reason = (
-            f"not {'converged' if options.settings.algorithm == 'none' else 'trained'} after {options.timeout_s:g} s"
-        )
+        stop_reason = f"not {'converged' if not options.settings.trains else 'trained'} after {options.timeout_s:g} s"
         killed: set[str] = set()
         late_names: set[str] = set()
         links_settled_at: float | None = None
@@ -316,13 +314,13 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     and pairs_now["unconnected"] == 0
                     and (pairs_now["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
                 )
-                trained = options.settings.algorithm == "none" or (
+                trained = not options.settings.trains or (
                     late is None
                     and all((n.status.get("training") or {}).get("finished") for n in nodes[1:] if n.name not in killed)
-                    and _zo_settled(options, [n for n in nodes[1:] if n.name not in killed])
+                    and _settled(options, [n for n in nodes[1:] if n.name not in killed])
                 )
                 if converged_at is not None and trained and linked and now - converged_at >= options.linger_s:
-                    stop_reason = "converged" if options.settings.algorithm == "none" else "trained"
+                    stop_reason = "converged" if not options.settings.trains else "trained"
                     break
                 await trio.sleep(POLL_INTERVAL_S)
     finally:
@@ -408,32 +406,20 @@ TRAINING_REPORT_KEYS = (
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
     *("payloads_refused", "checkpoint_error"),
 )
-ZO_REPORT_KEYS = (
-    *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round"),
-    *("entries_by_gossip", "entries_by_pull", "g_clipped", "g_silenced", "authors_excluded", "recoveries"),
-)
 
 
-def _zo_settled(options: SimulationOptions, nodes: list[_Node]) -> bool:
-    """ZO runs end when every node holds the same log and has applied all of it (late
-    updates keep arriving after the last round; the final weights follow them)."""
-    if options.settings.algorithm != "zo":
-        return True
-    views = {
-        (
-            (n.status.get("training") or {}).get("log_entries"),
-            (n.status.get("training") or {}).get("log_entries_applied"),
-        )
-        for n in nodes
-    }
-    return len(views) == 1 and len({*next(iter(views))}) == 1
+def _settled(options: SimulationOptions, nodes: list[_Node]) -> bool:
+    """Whether the run's algorithm says the finished nodes are done (ZO: one log, all applied)."""
+    statuses = [n.status.get("training") or {} for n in nodes]
+    return algorithms.algorithm_class(options.settings.algorithm).settled(statuses)
 
 
 def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
     if not training:
         return {}
-    keys = TRAINING_REPORT_KEYS + (ZO_REPORT_KEYS if training.get("algorithm") == "zo" else ())
-    return {key: training.get(key) for key in keys}
+    name = training.get("algorithm")
+    own = algorithms.algorithm_class(name).REPORT_KEYS if name in algorithms.MODULES else ()
+    return {key: training.get(key) for key in TRAINING_REPORT_KEYS + own}
 
 
 def _only_interrupts(exc: BaseException) -> bool:
@@ -485,7 +471,7 @@ def simulate(options: SimulationOptions) -> int:
     if options.report_path is not None:
         options.report_path.write_text(text + "\n")
         print(f"report written to {options.report_path}")
-    if options.plot_path is not None and options.settings.algorithm != "none":
+    if options.plot_path is not None and options.settings.trains:
         from node.plot import plot_report
 
         plot_report(report, options.plot_path)

@@ -12,7 +12,7 @@ Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
 
 ``sha256`` is the file's: the joiner checks it while the bytes arrive and refuses the file
 (before anything parses it) if it differs. ``head``: the header only, to compare weights
-(node/zo.py: the param-hash agreement) without fetching them.
+(node/algorithms/zo.py: the param-hash agreement) without fetching them.
 
 A checkpoint at round r is the weights after every logged update of rounds < r; ``vector``
 says how many entries of each peer's chain it includes. The joiner takes it only if that

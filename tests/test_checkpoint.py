@@ -82,7 +82,7 @@ def test_a_restored_trainer_continues_bit_for_bit(tmp_path: Path) -> None:
     original = trainer(0)
     for _ in range(2):
         original.inner_steps()
-        original.apply_outer(None)
+        original.apply_noloco(None)
     path = tmp_path / "t.ckpt"
     checkpoint.save(path, *original.state())
     restored = trainer(0)
@@ -90,7 +90,7 @@ def test_a_restored_trainer_continues_bit_for_bit(tmp_path: Path) -> None:
     assert (restored.round, restored.step) == (original.round, original.step)
     for t in (original, restored):
         t.inner_steps()
-        t.apply_outer(None)
+        t.apply_noloco(None)
     assert all(torch.equal(a, b) for a, b in zip(original.phi, restored.phi, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(original.theta(), restored.theta(), strict=True))
 
@@ -98,7 +98,7 @@ def test_a_restored_trainer_continues_bit_for_bit(tmp_path: Path) -> None:
 def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing() -> None:
     saved = trainer(0)
     saved.inner_steps()
-    saved.apply_outer(None)
+    saved.apply_noloco(None)
     tensors, meta = saved.state()
     tensors["phi.0"] = tensors["phi.0"][:-1]
     fresh = trainer(0)

@@ -30,7 +30,7 @@ def test_local_training_lowers_validation_loss() -> None:
     before = t.val_loss()
     for _ in range(4):
         t.inner_steps()
-        t.apply_outer(None, algorithm="local")
+        t.apply_local()
     assert t.val_loss() < before - 1.0
 
 
@@ -42,7 +42,7 @@ def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite(compre
         a.inner_steps()
         b.inner_steps()
         pa, pb = a.outer_payload(), b.outer_payload()
-        assert a.apply_outer(pb) and b.apply_outer(pa)
+        assert a.apply_noloco(pb) and b.apply_noloco(pa)
     assert a.val_loss() < before - 1.0
     # Two nodes that always pair hold the same slow weights (heavy-ball DiLoCo); compressed
     # too, since both sides average the same dequantized values.
@@ -67,8 +67,8 @@ def test_a_bad_partner_payload_is_rejected_and_the_round_goes_on_alone(damage: s
         a.parse_payload(payload)
     reference = trainer(0)
     reference.inner_steps()
-    assert a.apply_outer(payload) is False  # fell back to the no-partner step
-    assert reference.apply_outer(None) is False
+    assert a.apply_noloco(payload) is False  # fell back to the no-partner step
+    assert reference.apply_noloco(None) is False
     assert all(torch.equal(x, y) for x, y in zip(a.phi, reference.phi, strict=True))
     assert all(torch.isfinite(p).all() for p in a.model.parameters())
 
@@ -106,7 +106,7 @@ def test_a_bad_int8_payload_is_rejected(damage: str) -> None:
         a.parse_payload(payload)
     a.inner_steps()
     a.outer_payload()
-    assert a.apply_outer(payload) is False
+    assert a.apply_noloco(payload) is False
     assert all(torch.isfinite(p).all() for p in a.model.parameters())
 
 
@@ -136,7 +136,7 @@ def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compressio
         b.inner_steps()
         pa, pb = a.outer_payload(), b.outer_payload()
         assert pa.device.type == "cpu" and pa.dtype == torch.uint8 and pa.numel() == a.payload_nbytes
-        assert a.apply_outer(pb) and b.apply_outer(pa)
+        assert a.apply_noloco(pb) and b.apply_noloco(pa)
     assert a.val_loss() < before
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
 
@@ -166,7 +166,7 @@ def test_finite_but_poisoned_payloads_are_refused(poison: str, reason: str) -> N
     assert bool(torch.isfinite(flat).all())
     with pytest.raises(PayloadRejected, match=reason):
         a.parse_payload(flat.view(torch.uint8))
-    assert a.apply_outer(flat.view(torch.uint8)) is False and a.last_rejection is not None
+    assert a.apply_noloco(flat.view(torch.uint8)) is False and a.last_rejection is not None
     assert all(bool(torch.isfinite(p).all()) for p in a.phi)
 
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from node.zo import ZoRounds
+from node.algorithms.zo import ZoRounds
 from protocol import zolog
 
 RUN = "zo-run-abcdef"
@@ -80,7 +80,7 @@ async def test_an_author_excluded_after_its_entries_were_applied_rebuilds_withou
 
 
 def test_outvoted_only_by_a_majority_of_at_least_two() -> None:
-    from node.zo import outvoted
+    from node.algorithms.zo import outvoted
 
     assert outvoted("ours", {}) is None
     assert outvoted("ours", {"p": "theirs"}) is None  # one peer against us: no verdict

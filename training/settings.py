@@ -20,8 +20,11 @@ from typing import Any
 
 import msgpack
 
-# "none": the run trains nothing (its nodes form the network only).
-ALGORITHMS = ("none", "noloco", "diloco", "local", "zo")
+from training import algorithms
+
+# "none": the run trains nothing (its nodes form the network only); the others are the
+# registry's (training/algorithms/).
+ALGORITHMS = ("none", *algorithms.NAMES)
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
 # Outer payload encodings (training/trainer.py has the wire layout).
@@ -127,7 +130,7 @@ class RunSettings:
 
     @property
     def trains(self) -> bool:
-        return self.algorithm != "none"
+        return self.algorithm in algorithms.MODULES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

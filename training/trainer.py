@@ -2,7 +2,7 @@
 
 The worker process drives a ``Trainer``; the trainer never touches the network. At a
 round boundary it exports φ and Δ as one wire buffer (``outer_payload``), and applies the
-outer step with a partner's buffer, or alone (``apply_outer``). A partner's buffer is
+outer step of its algorithm (``apply_noloco``, ``apply_diloco``, ``apply_local``). A partner's buffer is
 checked before anything changes: wrong size, or any NaN/Inf, and the round falls back to
 the no-partner step, so bad input never reaches the weights.
 
@@ -171,45 +171,45 @@ class Trainer:
         return PeerTensors(phi=shaped[: len(self.phi)], delta=shaped[len(self.phi) :])
 
     @torch.no_grad()
-    def apply_outer(self, peer_wire: torch.Tensor | None, *, algorithm: str = "noloco") -> bool:
-        """The outer step, then θ ← φ. Returns whether a partner's payload was used.
+    def apply_local(self) -> None:
+        """The "local" baseline's outer step: none (φ follows θ)."""
+        self.phi = [t.clone() for t in self.theta()]
+        self._end_round()
 
-        ``algorithm``: "noloco" (``peer_wire`` is one partner's payload), "local" (no
-        outer step: φ follows θ). A rejected payload means the no-partner NoLoCo step.
-        """
+    @torch.no_grad()
+    def apply_noloco(self, peer_wire: torch.Tensor | None) -> bool:
+        """NoLoCo's outer step with one partner's payload (or alone), then θ ← φ. Returns
+        whether the partner's payload was used: a rejected one means the no-partner step,
+        and ``last_rejection`` says why."""
         used_peer = False
         self.last_rejection = None
-        if algorithm == "local":
-            self.phi = [t.clone() for t in self.theta()]
-        elif algorithm == "noloco":
-            peer: PeerTensors | None = None
-            if peer_wire is not None:
-                try:
-                    peer = self.parse_payload(peer_wire)
-                    used_peer = True
-                except PayloadRejected as exc:
-                    self.last_rejection = str(exc)
-                    peer = None
-            if peer is not None and self.compression != "none" and self._sent is None:
-                raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
-            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
-            if peer is not None and not all(bool(torch.isfinite(t).all()) for t in phi):
-                # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
-                self.last_rejection = "the outer step with its payload gives non-finite weights"
-                used_peer = False
-                phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
-            self.phi, self.momentum = phi, momentum
-        else:
-            raise ValueError(f"unknown algorithm {algorithm!r}")
-        self._load_phi_into_theta()
-        self.round += 1
-        self._sent = None
+        peer: PeerTensors | None = None
+        if peer_wire is not None:
+            try:
+                peer = self.parse_payload(peer_wire)
+                used_peer = True
+            except PayloadRejected as exc:
+                self.last_rejection = str(exc)
+                peer = None
+        if peer is not None and self.compression != "none" and self._sent is None:
+            raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
+        phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
+        if peer is not None and not all(bool(torch.isfinite(t).all()) for t in phi):
+            # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
+            self.last_rejection = "the outer step with its payload gives non-finite weights"
+            used_peer = False
+            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
+        self.phi, self.momentum = phi, momentum
+        self._end_round()
         return used_peer
 
     @torch.no_grad()
     def apply_diloco(self, deltas: list[list[torch.Tensor]]) -> None:
         """DiLoCo baseline: ``deltas`` are every live node's Δ, ours included, in agreed order."""
         self.phi, self.momentum = diloco_step(self.phi, deltas, self.momentum, self.outer)
+        self._end_round()
+
+    def _end_round(self) -> None:
         self._load_phi_into_theta()
         self.round += 1
         self._sent = None

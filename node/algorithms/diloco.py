@@ -10,12 +10,17 @@ the wait grows with the slowest node, and the traffic with the number of nodes.
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
+from node.algorithms.base import Context
+from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
+from node.supervisor import WorkerConnection, WorkerGone
 from protocol.errors import ProtocolError
 from protocol.exchange import Payload, TensorSpec, send_tensors
 from protocol.host import Host
+from protocol.peers import BAN_POINTS
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -104,3 +109,44 @@ class DilocoExchange:
                     await changed.wait()
         got = self._received.pop(round_index, {})
         return {peer: data for peer, data in got.items() if len(data) == len(outbox)}
+
+
+class Diloco(PayloadRounds):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.exchanges = DilocoExchange(
+            ctx.host, send_timeout_s=SEND_TIMEOUT_S, is_member=ctx.is_member, upload_limit=ctx.upload_limit
+        )
+
+    def inbox(self) -> Inbox:
+        return self.exchanges
+
+    def ready(self, worker: WorkerConnection) -> None:
+        self.exchanges.payload_nbytes = worker.payload_nbytes
+
+    def status(self) -> dict[str, Any]:
+        return {"bytes_sent": self.exchanges.bytes_sent, "bytes_received": self.exchanges.bytes_received}
+
+    async def exchange(
+        self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
+    ) -> None:
+        """Every live trainer's payload, one ``accumulate`` each (a refused one bans its
+        sender), then ``outer_go`` with our own key: the worker sums in key order."""
+        round_index = int(done["round"])
+        payloads = await self.exchanges.gather(
+            round_index, outbox, self.ctx.partners(), timeout_s=self.ctx.config.pair_timeout_s
+        )
+        for peer_id, data in sorted(payloads.items()):
+            inbox[:] = data
+            await worker.send("accumulate", round=round_index, key=peer_id)
+            reply = await worker.receive()
+            if reply["t"] != "accumulated":
+                raise WorkerGone(f"expected 'accumulated', got {reply['t']!r}")
+            if reply.get("ok") is not True:
+                reason = str(reply.get("reason"))[:200]
+                await self.ctx.host.punish(peer_id, f"DiLoCo payload refused: {reason}", points=BAN_POINTS)
+        logger.info("round %d: val loss %.3f, DiLoCo over %d nodes", round_index, done["val_loss"], len(payloads) + 1)
+        await worker.send("outer_go", round=round_index, key=self.ctx.host.peer_id)
+
+
+ALGORITHM = Diloco

@@ -46,7 +46,7 @@ async def test_a_poisoning_partner_is_refused_banned_and_training_goes_on(short_
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 4, TRAINING, run_name="adv")
         *honest, hostile = nodes
-        poison_payloads(hostile, scale)
+        await poison_payloads(hostile, scale)
         await until_finished(honest)
         check_honest(honest, hostile)
         refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
@@ -61,7 +61,7 @@ async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(sho
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 4, TRAINING, run_name="adv")
         *honest, hostile = nodes
-        never_send(hostile)
+        await never_send(hostile)
         await until_finished(honest)
         check_honest(honest, hostile)
         # Its victims gave up on it after NO_SHOW_S (not the pairing bound) and penalized it:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench.attacks import equivocation, flood_batch, gossip, zo_of
+from bench.attacks import equivocation, flood_batch, gossip, has_zo, zo_of
 from node.daemon import Daemon
 from protocol import zolog
 from tests.adversarial.harness import events, finished, start_trainers, until
@@ -29,10 +29,6 @@ TRAINING = {
     "training__pair_timeout_s": 20.0,
 }
 TIMEOUT_S = 300.0
-
-
-def has_zo(daemon: Daemon) -> bool:
-    return daemon.training is not None and daemon.training._zo is not None
 
 
 async def hostile_published(swarm: Swarm, nodes: list[Daemon], hostile: Daemon) -> None:

@@ -1,0 +1,30 @@
+"""The daemon side of each training algorithm, one module each, named here.
+
+Each module (local, noloco, diloco, zo) holds an ``ALGORITHM`` class that takes a
+``base.Context`` and implements ``base.Algorithm``: what a round exchanges, with whom,
+and when it is done; its worker side is the module of the same name in
+training/algorithms/. The rest of the node asks this registry, never the algorithm's name.
+"""
+
+import importlib
+
+from node.algorithms.base import Algorithm, Context, TrainingMetrics
+
+MODULES = {
+    "noloco": "node.algorithms.noloco",
+    "diloco": "node.algorithms.diloco",
+    "local": "node.algorithms.local",
+    "zo": "node.algorithms.zo",
+}
+
+__all__ = ["MODULES", "Algorithm", "Context", "TrainingMetrics", "algorithm_class", "create"]
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The daemon side of algorithm ``name`` (``KeyError`` for a name the settings refuse)."""
+    cls: type[Algorithm] = importlib.import_module(MODULES[name]).ALGORITHM
+    return cls
+
+
+def create(name: str, ctx: Context) -> Algorithm:
+    return algorithm_class(name)(ctx)

@@ -1,0 +1,86 @@
+"""What every algorithm's daemon side is given (``Context``) and must offer (``Algorithm``)."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of these
+    from node.config import TrainingConfig
+    from node.supervisor import Supervisor
+    from protocol.host import Host
+    from protocol.ratelimit import RateLimit
+    from protocol.run import RunService
+    from protocol.state import RunState
+    from training.settings import RunSettings
+    from training.worker_config import WorkerConfig
+
+
+@dataclass(slots=True)
+class TrainingMetrics:
+    loss_curve: list[list[float]] = field(default_factory=list)
+    """[step, validation loss] at the end of each round's inner steps."""
+    rounds: int = 0
+    rounds_with_partner: int = 0
+    compute_s: float = 0.0
+    """Inner steps and payload export, as the worker timed them."""
+    sync_wait_s: float = 0.0
+    """From a round's end until the worker was told to apply its outer step."""
+    train_wall_s: float = 0.0
+    """From the first worker's "ready" to the last outer step: compute_s / train_wall_s is
+    the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""
+    finished: bool = False
+    checkpoint_error: str | None = None
+    """Why the last checkpoint could not be written (a full disk...), None once one was."""
+    payloads_refused: int = 0
+    """Partner payloads the worker refused (non-finite, out of bounds): each cost its sender."""
+    first_ready: float | None = None
+    """When the first worker said "ready" (trio time)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Context:
+    """The node's parts an algorithm works with; built once the run's settings are adopted."""
+
+    host: "Host"
+    state: "RunState"
+    run: "RunSettings"
+    """The run's settings (adopted from its manifest)."""
+    config: "TrainingConfig"
+    """This node's own training settings (shard, pairing bound...)."""
+    worker_config: "WorkerConfig"
+    metrics: TrainingMetrics
+    partners: Callable[[], list[str]]
+    """Live trainers of this run we may train with (sorted; banned peers left out)."""
+    is_member: Callable[[str], bool]
+    """A peer whose own signed member record says it trains in this run (and not banned)."""
+    listen_ip: str
+    upload_limit: "RateLimit"
+    log_path: str
+    checkpoint_dir: Path | None = None
+    identity_seed: bytes = b""
+    run_service: "RunService | None" = None
+
+
+class Algorithm(Protocol):
+    """An algorithm's daemon side: what a round exchanges, with whom, and when it is done."""
+
+    REPORT_KEYS: ClassVar[tuple[str, ...]]
+    """Its own ``status`` keys a simulation report shows (beyond the common ones)."""
+
+    ctx: Context
+    supervisor: "Supervisor"
+    """The worker it drives (restarted by the supervisor when it crashes)."""
+
+    def __init__(self, ctx: Context) -> None: ...
+
+    async def train(self) -> None:
+        """Train until this node's part of the run is over (ZO: follows the log forever)."""
+
+    def status(self) -> dict[str, Any]:
+        """Its part of the node's training status (``bytes_sent``/``bytes_received`` at least)."""
+
+    @staticmethod
+    def settled(statuses: list[dict[str, Any]]) -> bool:
+        """Given every node's training status, once all finished: has the run settled (a
+        simulation ends then)? The φ/Δ algorithms always have; ZO waits for one log."""

@@ -1,0 +1,62 @@
+"""NoLoCo, daemon side: each round, one random live trainer as partner (protocol/pairing.py:
+bounded wait, then alone); its payload lands in the worker's inbox. A payload the worker
+refuses (non-finite, out of the partner bounds) bans its sender."""
+
+import logging
+from typing import Any
+
+from node.algorithms.base import Context
+from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
+from node.supervisor import WorkerConnection
+from protocol.pairing import Pairing
+from protocol.peers import BAN_POINTS
+
+logger = logging.getLogger("node.training")
+
+
+class Noloco(PayloadRounds):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.pairing = Pairing(
+            ctx.host, send_timeout_s=SEND_TIMEOUT_S, is_member=ctx.is_member, upload_limit=ctx.upload_limit
+        )
+        self._partner: str | None = None
+        """This round's partner, until the worker's outer step says what it made of it."""
+
+    def inbox(self) -> Inbox:
+        return self.pairing
+
+    async def serve(self, nursery: Any) -> None:
+        await nursery.start(self.pairing.run)
+
+    def status(self) -> dict[str, Any]:
+        return {"bytes_sent": self.pairing.bytes_sent, "bytes_received": self.pairing.bytes_received}
+
+    async def exchange(
+        self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
+    ) -> None:
+        round_index = int(done["round"])
+        self._partner = await self.pairing.find_partner(
+            round_index, outbox, inbox, self.ctx.partners(), timeout_s=self.ctx.config.pair_timeout_s
+        )
+        partner = self._partner
+        logger.info(
+            "round %d: val loss %.3f, %s",
+            round_index,
+            done["val_loss"],
+            f"paired with {partner}" if partner else "alone",
+        )
+        await worker.send("outer_go", round=round_index, peer=partner is not None)
+
+    async def judge(self, done: dict[str, Any]) -> None:
+        rejected = done.get("rejected")
+        if self._partner is not None and isinstance(rejected, str):
+            logger.warning("round %s: refused %s's payload: %s", done.get("round"), self._partner, rejected)
+            self.ctx.metrics.payloads_refused += 1
+            # Honest partners stay far inside the bounds (training/noloco.py: measured ≤ 1.74
+            # and 3.7 against 8 and 16), and a NaN is never honest: no second chance.
+            await self.ctx.host.punish(self._partner, f"NoLoCo payload refused: {rejected[:200]}", points=BAN_POINTS)
+        self._partner = None
+
+
+ALGORITHM = Noloco

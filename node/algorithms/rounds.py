@@ -1,0 +1,150 @@
+"""The round loop every φ/Δ algorithm shares on the daemon side (local, NoLoCo, DiLoCo).
+
+At every round boundary the worker reports its losses and leaves φ and Δ in its outbox;
+the algorithm's ``exchange`` does what the round needs with peers (NoLoCo: one partner's
+payload into the inbox; DiLoCo: every live trainer's, one ``accumulate`` each; local:
+nothing) and says ``outer_go``; the worker's ``outer_done`` closes the round. Payloads
+arrive over the direct data channel (protocol/exchange.py), each authorized first by the
+algorithm's ``Inbox``, before a byte is allocated.
+"""
+
+import logging
+from typing import Any, ClassVar, Protocol
+
+import trio
+
+from node.algorithms.base import Context
+from node.supervisor import Supervisor, WorkerConnection, WorkerGone
+from protocol.data_channel import DataChannel
+from protocol.exchange import Payload, TensorReceiver
+
+logger = logging.getLogger("node.training")
+
+# Payload exchanges are bounded too: a partner that stops reading never holds us for long.
+SEND_TIMEOUT_S = 120.0
+MAX_PAYLOAD_NBYTES = 4 << 30
+
+
+class Inbox(Protocol):
+    def authorize(self, peer_id: str, round_index: int, nbytes: int) -> str | None: ...
+
+    async def accept_payload(self, peer_id: str, payload: Payload) -> None: ...
+
+
+class PayloadRounds:
+    """The shared loop; a subclass says what a round exchanges (``exchange``)."""
+
+    REPORT_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.supervisor = Supervisor(ctx.worker_config, self._session, log_path=ctx.log_path)
+
+    # What a subclass provides.
+
+    def inbox(self) -> Inbox | None:
+        """Where peers' payloads land (None: this algorithm takes none)."""
+        return None
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        """Start what must run while training (a pairing service...)."""
+
+    def ready(self, worker: WorkerConnection) -> None:
+        """A worker said ready (its payload size is known now)."""
+
+    async def exchange(
+        self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
+    ) -> None:
+        """This round's exchange with peers (``done``: the worker's ``round_done``), ending
+        with ``outer_go`` to the worker."""
+        raise NotImplementedError
+
+    async def judge(self, done: dict[str, Any]) -> None:
+        """The worker's ``outer_done``: penalize a peer whose payload it refused."""
+
+    # The shared part.
+
+    @staticmethod
+    def settled(statuses: list[dict[str, Any]]) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {"bytes_sent": 0, "bytes_received": 0}
+
+    async def train(self) -> None:
+        inbox = self.inbox()
+        async with trio.open_nursery() as nursery:
+            if inbox is not None:
+                channel = DataChannel(self.ctx.listen_ip)
+                receiver = TensorReceiver(
+                    self.ctx.host,
+                    inbox.accept_payload,
+                    authorize=inbox.authorize,
+                    max_payload_nbytes=MAX_PAYLOAD_NBYTES,
+                    timeout_s=SEND_TIMEOUT_S,
+                    channel=channel,
+                )
+                await nursery.start(channel.run)
+                receiver.register()
+            await self.serve(nursery)
+            await self.supervisor.run()
+            metrics = self.ctx.metrics
+            metrics.finished = True
+            logger.info("training finished: %d rounds, %d with a partner", metrics.rounds, metrics.rounds_with_partner)
+            nursery.cancel_scope.cancel()
+
+    async def _session(self, worker: WorkerConnection) -> None:
+        assert worker.outbox is not None and worker.inbox is not None
+        assert worker.outbox.buf is not None and worker.inbox.buf is not None
+        metrics = self.ctx.metrics
+        if metrics.first_ready is None:
+            metrics.first_ready = trio.current_time()
+        # A restarted worker resumes from its checkpoint: rounds after it are done again.
+        metrics.rounds = worker.start_round
+        del metrics.loss_curve[worker.start_round :]
+        if worker.start_round >= self.ctx.run.rounds:
+            return
+        self.ready(worker)
+        outbox = worker.outbox.buf[: worker.payload_nbytes]
+        inbox = worker.inbox.buf[: worker.payload_nbytes]
+        try:
+            while True:
+                message = await worker.receive()
+                if message["t"] == "round_done":
+                    metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
+                    metrics.compute_s += float(message.get("compute_s", 0.0))
+                    started = trio.current_time()
+                    await self.exchange(worker, message, outbox, inbox)
+                    metrics.sync_wait_s += trio.current_time() - started
+                elif message["t"] == "accumulated":
+                    raise WorkerGone("an 'accumulated' nobody asked for")
+                elif message["t"] == "outer_done":
+                    await self.judge(message)
+                    self._note_save(message)
+                    metrics.rounds += 1
+                    metrics.train_wall_s = trio.current_time() - metrics.first_ready
+                    metrics.rounds_with_partner += int(message.get("used_peer") is True)
+                    if metrics.rounds >= self.ctx.run.rounds:
+                        return
+                else:
+                    raise WorkerGone(f"unexpected {message['t']!r} from the worker")
+        finally:
+            for view in (outbox, inbox):
+                try:
+                    view.release()
+                except BufferError:
+                    # A send of this round still reads it (the worker died mid-exchange); the
+                    # view goes when that send ends. Never let this take the node down.
+                    logger.info("worker buffers still in use by a transfer; released later")
+
+    def _note_save(self, done: dict[str, Any]) -> None:
+        """A checkpoint the worker could not write (a full disk): said once per new error, shown
+        in status until a save succeeds again."""
+        metrics = self.ctx.metrics
+        error = done.get("save_error")
+        error = str(error)[:300] if error else None
+        if error and error != metrics.checkpoint_error:
+            logger.error("the worker could not save its checkpoint: %s; training goes on, it retries", error)
+        elif not error and metrics.checkpoint_error:
+            logger.info("checkpoints are saved again")
+        metrics.checkpoint_error = error

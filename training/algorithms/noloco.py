@@ -1,0 +1,27 @@
+"""NoLoCo, worker side: after H inner steps, the outer step with one random partner's φ and
+Δ (training/noloco.py has the arithmetic and the partner bounds), or alone.
+
+The daemon (node/algorithms/noloco.py) puts the partner's payload in the inbox and says
+``outer_go`` with ``peer`` true; a payload the checks refuse is reported back
+(``rejected``) so the daemon can penalize its sender, and the round goes on without it.
+"""
+
+from typing import Any, BinaryIO
+
+import torch
+
+from training.algorithms.rounds import Outer, run_rounds
+from training.trainer import Trainer
+from training.worker_config import WorkerConfig
+
+
+def outer(
+    trainer: Trainer, command: dict[str, Any], inbox: torch.Tensor, collected: dict[str, list[torch.Tensor]]
+) -> Outer:
+    peer = inbox.clone() if command.get("peer") is True else None
+    used = trainer.apply_noloco(peer)
+    return Outer(used_peer=used, rejected=trainer.last_rejection)
+
+
+def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
+    run_rounds(config, trainer, commands, replies, outer)

@@ -1,0 +1,164 @@
+"""The round loop every φ/Δ algorithm shares (local, NoLoCo, DiLoCo): only the outer step differs.
+
+Each round: H inner steps, φ and Δ into the outbox (shared memory), ``round_done``; then
+the daemon's commands until ``outer_go``: DiLoCo first sends ``accumulate`` once per
+peer payload it put in the inbox (each checked like any partner payload, kept or
+refused); then the algorithm's outer step, a checkpoint, ``outer_done``.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from training import checkpoint, ipc
+from training.trainer import PayloadRejected, Trainer
+from training.worker_config import WorkerConfig
+
+logger = logging.getLogger("training.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Outer:
+    """What an outer step made of the round: whether a peer's payload was used, and why
+    one was refused (the daemon penalizes its sender)."""
+
+    used_peer: bool
+    rejected: str | None = None
+
+
+OuterStep = Callable[[Trainer, dict[str, Any], torch.Tensor, dict[str, list[torch.Tensor]]], Outer]
+"""(trainer, the ``outer_go`` command, the inbox as uint8, the Δs accumulated this round)."""
+
+
+def resume(config: WorkerConfig, trainer: Trainer) -> None:
+    """Continue from the checkpoint if there is a usable one; a damaged or foreign one is
+    moved aside (kept for the user, never deleted) and training starts over."""
+    if config.checkpoint_path is None or not Path(config.checkpoint_path).exists():
+        return
+    path = Path(config.checkpoint_path)
+    try:
+        tensors, meta = checkpoint.load(path)
+        if meta.get("fingerprint") != config.fingerprint():
+            raise checkpoint.CheckpointError(f"saved with other settings {meta.get('fingerprint')}")
+        trainer.restore(tensors, meta)
+    except checkpoint.CheckpointError as exc:
+        aside = path.with_name(f"{path.name}.unusable-{int(time.time())}")
+        path.rename(aside)
+        logger.warning("checkpoint %s is unusable (%s); kept as %s; starting from round 0", path, exc, aside)
+        return
+    logger.info("resumed from %s at round %d (step %d)", path, trainer.round, trainer.step)
+
+
+def save(config: WorkerConfig, trainer: Trainer) -> str | None:
+    """The state after an outer step (never a non-finite one: the step refuses those first).
+
+    A failed write (a full disk, a read-only mount) is returned, not raised: training goes
+    on, the old file stays whole (the write is atomic), and the next round tries again;
+    a worker that crashed here instead would only crash again after its restart.
+    """
+    if config.checkpoint_path is None:
+        return None
+    tensors, meta = trainer.state()
+    try:
+        checkpoint.save(Path(config.checkpoint_path), tensors, {**meta, "fingerprint": config.fingerprint()})
+    except OSError as exc:
+        logger.error(
+            "could not save the checkpoint %s: %s; training goes on, retried next round",
+            config.checkpoint_path,
+            exc.strerror or exc,
+        )
+        return f"{exc.strerror or exc} ({config.checkpoint_path})"
+    return None
+
+
+def run_rounds(
+    config: WorkerConfig,
+    trainer: Trainer,
+    commands: BinaryIO,
+    replies: BinaryIO,
+    outer: OuterStep,
+) -> None:
+    """Resume, then rounds until the run's last, with shared-memory out- and inboxes."""
+    resume(config, trainer)
+    nbytes = trainer.payload_nbytes
+    outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    try:
+        _rounds(config, trainer, outbox, inbox, commands, replies, outer)
+    finally:
+        for block in (outbox, inbox):
+            block.close()
+            block.unlink()
+
+
+def _rounds(
+    config: WorkerConfig,
+    trainer: Trainer,
+    outbox: shared_memory.SharedMemory,
+    inbox: shared_memory.SharedMemory,
+    commands: BinaryIO,
+    replies: BinaryIO,
+    outer: OuterStep,
+) -> None:
+    # Tensors over the shared blocks live only in this frame, and are deleted on the way
+    # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
+    out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
+    in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
+    try:
+        ipc.write_blocking(
+            replies,
+            "ready",
+            payload_nbytes=trainer.payload_nbytes,
+            outbox=outbox.name,
+            inbox=inbox.name,
+            round=trainer.round,
+        )
+        for round_index in range(trainer.round, config.run.rounds):
+            started = time.perf_counter()
+            train_loss = trainer.inner_steps()
+            out_view.copy_(trainer.outer_payload())
+            compute_s = time.perf_counter() - started
+            val_loss = trainer.val_loss()
+            ipc.write_blocking(
+                replies,
+                "round_done",
+                round=round_index,
+                train_loss=train_loss,
+                val_loss=val_loss,
+                compute_s=compute_s,
+                step=trainer.step,
+            )
+            collected: dict[str, list[torch.Tensor]] = {}
+            while True:
+                command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+                if command["t"] == "stop":
+                    return
+                if command.get("round") != round_index:
+                    raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
+                if command["t"] != "accumulate":
+                    break
+                try:  # keep this peer's Δ (checked like any partner payload)
+                    collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
+                    refusal = None
+                except PayloadRejected as exc:
+                    refusal = str(exc)[:200]
+                ipc.write_blocking(replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal)
+            result = outer(trainer, command, in_view, collected)
+            save_error = save(config, trainer)  # before "outer_done": a round the daemon counted is kept
+            ipc.write_blocking(
+                replies,
+                "outer_done",
+                round=round_index,
+                used_peer=result.used_peer,
+                rejected=result.rejected,
+                save_error=save_error,
+            )
+        ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
+    finally:
+        del out_view, in_view

@@ -1,0 +1,149 @@
+"""Zeroth-order training, worker side: the weights are the genesis weights plus the log.
+
+The daemon (node/algorithms/zo.py) says which logged updates to apply, one message per
+round of the log in the canonical order, and asks for our own updates of a round (one g
+byte per seed, by SPSA at the round's weights: training/zo.py has the arithmetic). It
+also asks for checkpoints peers can fetch (``zo_save``) and hands over fetched ones
+(``zo_load``, checked against the announced weights hash before anything changes).
+"""
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from training import checkpoint, ipc, zo
+from training.settings import ZoConfig
+from training.trainer import Trainer
+from training.worker_config import WorkerConfig
+
+logger = logging.getLogger("training.worker")
+
+MAX_UPDATES_PER_MESSAGE = 20_000
+# A round's parts together (zo_apply with more = True until the last): members × steps.
+MAX_UPDATES_PER_ROUND = 1_000_000
+
+
+def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
+    raw = command.get("updates")
+    if not isinstance(raw, list) or len(raw) > MAX_UPDATES_PER_MESSAGE:
+        raise ipc.IpcError("zo_apply without a list of updates")
+    updates: list[tuple[int, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(type(v) is int for v in item)):
+            raise ipc.IpcError("an update is [seed, g code]")
+        seed, code = item
+        if not (0 <= seed < 1 << 64 and 0 <= code <= 0xFF):
+            raise ipc.IpcError("update out of range")
+        updates.append((seed, code))
+    return updates
+
+
+def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, step: int, seed: int) -> int:
+    """One update: g by SPSA on this step's batch, as one byte."""
+    batch = trainer.shard.batch(batch_size=trainer.inner.batch_size, seed=trainer.seed, step=step)
+
+    def loss() -> float:
+        return float(trainer.model.loss(*batch).item())
+
+    with torch.no_grad():
+        g = zo.spsa(params, loss, seed, config.eps)
+    try:
+        return zo.encode_g(g, config.g_max)
+    except ValueError:
+        logger.warning("step %d: g is %s; publishing g = 0", step, g)
+        return 0
+
+
+def _zo_step(
+    trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, round_index: int, seeds: list[int]
+) -> dict[str, Any]:
+    """Our updates for a round: one per seed, all at this round's weights (the log applies
+    them, with everyone's, before the next round)."""
+    started = time.perf_counter()
+    codes = [_zo_g(trainer, params, config, round_index * len(seeds) + k, s) for k, s in enumerate(seeds)]
+    compute_s = time.perf_counter() - started
+    return {
+        "round": round_index,
+        "g_codes": codes,
+        "val_loss": trainer.val_loss(),
+        "compute_s": compute_s,
+    }
+
+
+def _zo_load(params: Sequence[torch.Tensor], command: dict[str, Any]) -> dict[str, Any]:
+    """Adopt a fetched checkpoint if it parses, fits and hashes as announced; else keep ours."""
+    try:
+        tensors, _ = checkpoint.load(Path(str(command.get("path"))))
+        loaded = [tensors.get(f"param.{k}") for k in range(len(params))]
+        if len(tensors) != len(params) or any(
+            t is None or t.shape != p.shape or t.dtype != p.dtype for t, p in zip(loaded, params, strict=True)
+        ):
+            raise checkpoint.CheckpointError("it does not fit this model")
+        if zo.param_hash([t for t in loaded if t is not None]) != command.get("param_hash"):
+            raise checkpoint.CheckpointError("its weights do not hash to the announced value")
+    except checkpoint.CheckpointError as exc:
+        logger.warning("fetched checkpoint refused: %s", exc)
+        return {"ok": False, "reason": str(exc)[:200]}
+    with torch.no_grad():
+        for param, tensor in zip(params, loaded, strict=True):
+            assert tensor is not None
+            param.copy_(tensor)
+    return {"ok": True}
+
+
+def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
+    """Zeroth-order mode: the daemon says which logged updates to apply (one message per
+    round of the log, in the canonical order: one message is one summed group, so the
+    grouping is part of the arithmetic) and asks for our own updates of a round; the
+    weights are the genesis weights plus the applied log, never anything else."""
+    zo_config = config.run.zo
+    params = list(trainer.model.parameters())
+    genesis = [p.detach().clone() for p in params]
+    trainer.model.eval()
+    ipc.write_blocking(replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0)
+    round_parts: list[tuple[int, int]] = []
+    while True:
+        command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+        kind = command["t"]
+        if kind == "stop":
+            return
+        if kind == "zo_apply":
+            if command.get("rebuild") is True:
+                round_parts.clear()
+                with torch.no_grad():
+                    for param, start in zip(params, genesis, strict=True):
+                        param.copy_(start)
+            round_parts += _updates(command)
+            if len(round_parts) > MAX_UPDATES_PER_ROUND:
+                raise ipc.IpcError(f"a round of more than {MAX_UPDATES_PER_ROUND} updates")
+            if command.get("more") is not True:  # the round's last part: apply the whole group once
+                if round_parts:
+                    zo.apply_updates(params, round_parts, zo_config)
+                round_parts = []
+        elif kind == "zo_go":
+            round_index, seeds = command.get("round"), command.get("seeds")
+            if type(round_index) is not int or round_index < 0 or not isinstance(seeds, list) or not seeds:
+                raise ipc.IpcError("zo_go needs a round and a list of seeds")
+            if len(seeds) > 4096 or not all(type(s) is int and 0 <= s < 1 << 64 for s in seeds):
+                raise ipc.IpcError("zo_go seeds must be 64-bit integers (at most 4096)")
+            ipc.write_blocking(replies, "zo_step", **_zo_step(trainer, params, zo_config, round_index, seeds))
+        elif kind == "zo_save":
+            # The weights as they stand (genesis + whole rounds of the log): a checkpoint peers can fetch.
+            path = Path(str(command.get("path")))
+            try:
+                checkpoint.save(path, {f"param.{k}": p for k, p in enumerate(params)}, {"round": command.get("round")})
+                error = None
+            except OSError as exc:  # a full disk: no checkpoint to offer this time, training goes on
+                logger.error("could not save the ZO checkpoint %s: %s", path, exc.strerror or exc)
+                error = f"{exc.strerror or exc} ({path})"
+            ipc.write_blocking(replies, "zo_saved", param_hash=zo.param_hash(params), save_error=error)
+        elif kind == "zo_load":
+            ipc.write_blocking(replies, "zo_loaded", **_zo_load(params, command))
+        elif kind == "zo_finish":
+            ipc.write_blocking(replies, "zo_done", param_hash=zo.param_hash(params), val_loss=trainer.val_loss())
+        else:
+            raise ipc.IpcError(f"{kind!r} in zo mode")
