@@ -16,7 +16,8 @@ import numpy as np
 import trio
 
 from node.algorithms.noloco import Noloco
-from node.algorithms.zo import Zo, ZoRounds
+from node.algorithms.zo import Zo
+from node.algorithms.zo_rounds import ZoRounds
 from node.daemon import Daemon
 from protocol import zolog
 from protocol.pairing import Pairing

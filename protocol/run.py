@@ -80,7 +80,7 @@ class RunService:
         self.num_gossip_received = 0
         self.num_pull_failures = 0
         self.zo_hint: Callable[[str, bytes], Awaitable[None]] | None = None
-        """Where gossiped ZO batches go (node/algorithms/zo.py verifies them); dropped while None."""
+        """Where gossiped ZO batches go (node/algorithms/zo_rounds.py verifies them); dropped while None."""
         self.zo_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
         """Where gossiped ZO equivocation evidence goes (protocol/zosync.py checks it)."""
 

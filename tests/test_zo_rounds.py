@@ -1,9 +1,16 @@
 """The daemon's ZO rounds against a stand-in worker: whole rounds only, rebuild on late entries."""
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from node.algorithms.zo import ZoRounds
-from protocol import zolog
+import trio
+import trio.testing
+
+from node.algorithms import zo_rounds as zo_module
+from node.algorithms.zo_journal import Journal
+from node.algorithms.zo_rounds import ZoRounds
+from protocol import zockpt, zolog
 
 RUN = "zo-run-abcdef"
 SEEDS = [bytes([i + 1]) * 32 for i in range(3)]
@@ -80,7 +87,7 @@ async def test_an_author_excluded_after_its_entries_were_applied_rebuilds_withou
 
 
 def test_outvoted_only_by_a_majority_of_at_least_two() -> None:
-    from node.algorithms.zo import outvoted
+    from node.algorithms.zo_rounds import outvoted
 
     assert outvoted("ours", {}) is None
     assert outvoted("ours", {"p": "theirs"}) is None  # one peer against us: no verdict
@@ -88,3 +95,73 @@ def test_outvoted_only_by_a_majority_of_at_least_two() -> None:
     assert outvoted("ours", {"p": "theirs", "q": "theirs", "r": "ours"}) is None  # 2 against 2
     assert outvoted("ours", {"p": "a", "q": "b", "r": "a", "s": "a"}) == ("a", ["p", "r", "s"])
     assert outvoted("ours", {"p": "ours", "q": "ours"}) is None
+
+
+class FakeCheckpoints:
+    """Each peer's checkpoint header, and how often each was asked for it."""
+
+    def __init__(self, offer: zockpt.Offer) -> None:
+        self.offer: zockpt.Offer | None = offer
+        self.heads: dict[str, zockpt.Offer | None] = {}
+        self.asked: dict[str, int] = {}
+
+    async def head(self, peer_id: str) -> zockpt.Offer | None:
+        self.asked[peer_id] = self.asked.get(peer_id, 0) + 1
+        return self.heads.get(peer_id)
+
+
+async def test_the_weights_agreement_asks_each_peer_once_per_checkpoint_then_finds_us_outvoted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    zo = rounds()
+    ours = zockpt.Offer(4, {IDS[0]: 8}, "a" * 64, Path("ours"), 1, "0" * 64)
+    checkpoints = FakeCheckpoints(ours)
+    zo.checkpoints = checkpoints  # type: ignore[assignment]
+    checkpoints.heads = {IDS[1]: replace(ours, round=2), IDS[2]: ours}  # peer 1 is behind, peer 2 agrees
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(zo.agree_forever)
+        await trio.sleep(10 * zo_module.AGREE_INTERVAL_S + 0.5)
+        # The one that agreed was asked once; the one behind, every interval until it got there.
+        assert checkpoints.asked == {IDS[1]: 10, IDS[2]: 1}
+        assert zo._outvoted is None
+        # Our next checkpoint: both reach it, holding other weights than ours on the same log.
+        theirs = replace(ours, round=8, param_hash="b" * 64)
+        checkpoints.offer = replace(ours, round=8)
+        checkpoints.heads = {IDS[1]: theirs, IDS[2]: theirs}
+        await trio.sleep(zo_module.AGREE_INTERVAL_S)
+        assert zo._outvoted == (8, "b" * 64, [IDS[1], IDS[2]])
+        assert checkpoints.asked == {IDS[1]: 11, IDS[2]: 2}
+        nursery.cancel_scope.cancel()
+
+
+def journaled(path: Path) -> ZoRounds:
+    zo = rounds()
+    zo._journal = Journal(path, RUN)
+    return zo
+
+
+async def test_a_restarted_node_takes_its_chain_back_from_its_journal(tmp_path: Path) -> None:
+    """Killed before any peer pulled its last batch, a node that came back with an empty
+    log would sign those sequence numbers again (equivocation: excluded and banned)."""
+    before = journaled(tmp_path / "run.zo-journal")
+    for round_index in range(3):
+        seq = before.log.next_seq(IDS[0])
+        batch = zolog.sign_batch(SEEDS[0], RUN, seq, [round_index] * 2, bytes([1, 2]))
+        await before._journal_own(batch)
+        await before.sync.add(batch)
+    after = journaled(tmp_path / "run.zo-journal")  # the same node after a SIGKILL
+    await after._restore_own_batches()
+    assert after.log.vector() == {IDS[0]: 6}
+    assert after.log.batches_after(IDS[0], 0) == before.log.batches_after(IDS[0], 0)
+
+
+async def test_a_record_a_crash_cut_short_is_ignored_and_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "run.zo-journal"
+    first, second = (zolog.sign_batch(SEEDS[0], RUN, 2 * k, [k] * 2, bytes([1, 2])) for k in range(2))
+    await Journal(path, RUN).append(first)
+    with path.open("ab") as f:  # the crash: a length and half a batch
+        f.write(len(second.encode()).to_bytes(4, "big") + second.encode()[:10])
+    journal = Journal(path, RUN)
+    assert await journal.read() == [first]
+    await journal.append(second)
+    assert await Journal(path, RUN).read() == [first, second]

@@ -1,0 +1,432 @@
+"""Zeroth-order rounds over the network: the daemon's side of ``--algorithm zo``.
+
+Each round r the worker gets every logged update of rounds < r in the canonical order
+(protocol/zolog.py), computes H updates of its own (H = steps_per_round, each g for
+``seed_of(run, us, r, seq)``, all at the round's weights), and we sign them as one batch
+and add it to our log; peers pull it (protocol/zosync.py). One signature per round is
+shared by its H updates. The weights are therefore the genesis
+weights (the same initial seed on every node) plus the replayed log, on every node.
+
+Before round r we wait, bounded, until every live trainer that has published anything has
+published round r − 1, so that usually nothing arrives late. When something does arrive late (an entry that sorts
+before what the worker already applied), the worker rebuilds from the genesis weights and
+replays the whole log: the rule every node agrees on is that only the log counts, not
+when an entry arrived. A node that joins late replays the log it pulls and starts at the
+newest round it finds, so it ends bit-identical to the others.
+"""
+
+import contextlib
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from node.algorithms.zo_journal import Journal
+from node.supervisor import WorkerConnection, WorkerGone
+from protocol import zockpt, zolog, zosync
+from protocol.errors import ProtocolError
+from protocol.host import Host
+
+logger = logging.getLogger(__name__)
+
+PULL_INTERVAL_S = 0.25
+# Every this many rounds the worker saves its weights as a checkpoint peers can fetch.
+CHECKPOINT_EVERY = 4
+MAX_CHECKPOINT_NBYTES = 8 << 30
+# How often our latest checkpoint's weights are compared with the peers' (a head request
+# each: a few hundred bytes), and how many peers must agree against us before we yield.
+AGREE_INTERVAL_S = 2.0
+MIN_MAJORITY = 2
+# A round's updates go to the worker in messages of at most this many (training/algorithms/zo.py
+# takes 20,000 a message: 1 MiB frames), the last with more = False.
+MAX_UPDATES_PER_MESSAGE = 20_000
+
+
+def outvoted(ours: str, heads: dict[str, str]) -> tuple[str, list[str]] | None:
+    """(the majority's hash, the peers holding it) if at least MIN_MAJORITY peers agree on
+    other weights than ours and outnumber those that hold ours (us included); else None."""
+    counts = Counter(heads.values())
+    if not counts:
+        return None
+    top, count = counts.most_common(1)[0]
+    if top == ours or count < MIN_MAJORITY or count <= 1 + counts.get(ours, 0):
+        return None
+    return top, sorted(p for p, h in heads.items() if h == top)
+
+
+class ZoRounds:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        run_id: str,
+        identity_seed: bytes,
+        rounds: int,
+        updates_per_round: int,
+        partners: Callable[[], list[str]],
+        is_member: Callable[[str], bool],
+        wait_s: float,
+        checkpoint_dir: Path | None = None,
+        gossip: Callable[[bytes], Awaitable[None]] | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self._host = host
+        self._run_id = run_id
+        self._identity_seed = identity_seed
+        self._rounds = rounds
+        self._updates_per_round = updates_per_round
+        self._partners = partners
+        self._wait_s = wait_s
+        self.round = 0
+        self.log = zolog.UpdateLog(run_id, is_member=is_member, rounds=rounds, max_per_round=updates_per_round)
+        self.sync = zosync.ZoLogSync(host, self.log, current_round=lambda: self.round)
+        self._applied: list[tuple[zolog.Entry, int]] = []
+        """What the worker holds: genesis plus these (entry, applied g code), in canonical order."""
+        self.clipped = 0
+        self.silenced = 0
+        self.recoveries = 0
+        self._silenced_authors: set[str] = set()
+        self._recovered_rounds: set[int] = set()
+        self._outvoted: tuple[int, str, list[str]] | None = None
+        """(round, the majority's weights hash, peers holding it), once agree_forever found us outvoted."""
+        self._own_seq = 0
+        self.bytes_published = 0
+        self.rebuilds = 0
+        self.param_hash: str | None = None
+        self.final_val_loss: float | None = None
+        self.start_round = 0
+        self.checkpoint_round: int | None = None
+        """The round of the checkpoint we started from (fetched from a peer), if any."""
+        self._checkpoint_dir = checkpoint_dir
+        self._gossip = gossip
+        self._journal = journal
+        """Our own batches on disk (node/algorithms/zo_journal.py): a restart takes them back."""
+        self.checkpoints = zockpt.ZoCheckpoints(host, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
+        self._saved: list[Path] = []
+        self._hashed_entries = 0
+
+    def register(self) -> None:
+        self.sync.register()
+        self.checkpoints.register()
+
+    async def pull_forever(self) -> None:
+        """Anti-entropy: pull from every live trainer, again and again."""
+        while True:
+            await self._catch_up_once()
+            await trio.sleep(PULL_INTERVAL_S)
+
+    def status(self) -> dict[str, Any]:
+        published = self._own_seq
+        return {
+            "param_hash": self.param_hash,
+            "bytes_per_update": round(self.bytes_published / published, 2) if published else None,
+            "log_entries": sum(self.log.vector().values()),
+            # Entries held per author's chain (bench/soak.py compares them across nodes).
+            "log_vector": self.log.vector(),
+            # Entries behind the reported param_hash (not merely sent to the worker).
+            "log_entries_applied": self._hashed_entries,
+            "entries_by_gossip": self.sync.entries_by_gossip,
+            "entries_by_pull": self.sync.entries_by_pull,
+            "rebuilds": self.rebuilds,
+            "g_clipped": self.clipped,
+            "g_silenced": self.silenced,
+            "authors_excluded": sorted(self.log.excluded),
+            "authors_silenced": sorted(self._silenced_authors),
+            "recoveries": self.recoveries,
+            "start_round": self.start_round,
+            "checkpoint_round": self.checkpoint_round,
+        }
+
+    async def session(
+        self,
+        worker: WorkerConnection,
+        on_step: Callable[[dict[str, Any]], None],
+        on_finished: Callable[[], None],
+    ) -> None:
+        """Drive one worker from its genesis weights through the remaining rounds, then keep
+        following the log: an update for a past round that arrives after the end (a late
+        joiner's, a slow peer's) is applied too, and the final weights recomputed. Returns
+        only if the worker goes away."""
+        self._applied = []  # a new worker holds the genesis weights
+        await self._restore_own_batches()
+        await self._catch_up_once()
+        # After a restart of this node our chain may already be in peers' logs: go on from
+        # its end (reusing a sequence number would read as equivocation).
+        self._own_seq = max(self._own_seq, self.log.next_seq(self._host.peer_id))
+        if self.log.max_round() >= CHECKPOINT_EVERY and self._checkpoint_dir is not None:
+            await self._start_from_checkpoint(worker)
+        # Where the run is, robustly (not the largest round anyone claims: zolog.agreed_round).
+        self.start_round = self.round = max(self.round, self.log.agreed_round())
+        for round_index in range(self.round, self._rounds):
+            self.round = round_index
+            await self._wait_for_round(round_index - 1)
+            await self._recover_if_outvoted(worker)
+            await self._send_updates(worker, below_round=round_index)
+            if round_index > 0 and round_index % CHECKPOINT_EVERY == 0:
+                await self._save_checkpoint(worker, round_index)
+            seqs = range(self._own_seq, self._own_seq + self._updates_per_round)
+            seeds = [zolog.seed_of(self._run_id, self._host.peer_id, round_index, seq) for seq in seqs]
+            await worker.send("zo_go", round=round_index, seeds=seeds)
+            step = await worker.receive()
+            if step["t"] != "zo_step" or step.get("round") != round_index:
+                raise WorkerGone(f"expected zo_step for round {round_index}, got {step['t']!r}")
+            codes = step.get("g_codes")
+            if not (isinstance(codes, list) and len(codes) == len(seeds)) or not all(
+                type(c) is int and 0 <= c <= 0xFF for c in codes
+            ):
+                raise WorkerGone(f"worker sent g codes {str(codes)[:80]}")
+            batch = zolog.sign_batch(
+                self._identity_seed, self._run_id, self._own_seq, [round_index] * len(codes), bytes(codes)
+            )
+            await self._journal_own(batch)
+            await self.sync.add(batch)
+            self._own_seq += len(codes)
+            raw = batch.encode()
+            self.bytes_published += len(raw)
+            if self._gossip is not None:
+                await self._gossip(raw)  # a hint: peers' pulls are the truth
+            on_step(step)
+        self.round = self._rounds
+        await self._wait_for_round(self._rounds - 1)
+        await self._catch_up_once()
+        await self._finish(worker)
+        on_finished()
+        while True:
+            changed = self.sync.changed
+            recovered = await self._recover_if_outvoted(worker)
+            if recovered or list(self.log.ordered(below_round=self._rounds)) != [e for e, _ in self._applied]:
+                await self._finish(worker)
+                on_step({"round": self._rounds, "val_loss": self.final_val_loss, "final": True})
+            else:
+                await changed.wait()
+
+    async def _restore_own_batches(self) -> None:
+        """After a restart: our chain back from the journal, before anything is pulled or signed."""
+        if self._journal is None:
+            return
+        restored = 0
+        for batch in await self._journal.read():
+            try:
+                restored += len(await self.sync.add(batch))
+            except ProtocolError as exc:
+                logger.error("zo: a batch of our journal is refused (%s); the rest is not restored", exc)
+                break
+        if restored:
+            logger.info("zo: %d of our own entries restored from %s", restored, self._journal.path)
+
+    async def _journal_own(self, batch: zolog.Batch) -> None:
+        if self._journal is None:
+            return
+        try:
+            await self._journal.append(batch)
+        except OSError as exc:
+            # Published anyway: withholding it would stall our chain for good. Only a
+            # crash before a peer pulls it can make our restart sign its numbers again.
+            logger.error("zo: could not write our batch to %s: %s", self._journal.path, exc.strerror or exc)
+
+    async def agree_forever(self) -> None:
+        """The param-hash agreement: every AGREE_INTERVAL_S, compare our latest checkpoint's
+        weights with what live trainers hold for the same round and log; outvoted, we
+        recover from one of the majority at the next round boundary (``_recover_if_outvoted``).
+
+        Each peer is asked until it answered for our checkpoint's round (or moved past it),
+        then not again until we save the next one: one header per peer per checkpoint,
+        not one every interval (16 nodes asking 15 peers every 2 s opened ~120 streams a
+        second on the soak's 2 cores, more than all ZO pulls together)."""
+        compared: tuple[int, str] | None = None
+        heads: dict[str, str] = {}
+        settled: set[str] = set()
+        """Peers we need not ask again about this checkpoint (answered, or past its round)."""
+        while True:
+            await trio.sleep(AGREE_INTERVAL_S)
+            offer = self.checkpoints.offer
+            if offer is None or self._outvoted is not None or offer.round in self._recovered_rounds:
+                continue  # once per checkpoint round: a second verdict there would only loop
+            if compared != (offer.round, offer.param_hash):
+                compared, heads, settled = (offer.round, offer.param_hash), {}, set()
+            for peer_id in self._partners():
+                if peer_id in settled:
+                    continue
+                try:
+                    head = await self.checkpoints.head(peer_id)
+                except ProtocolError as exc:
+                    logger.debug("no checkpoint head from %s: %s", peer_id, exc)
+                    continue
+                if head is None or head.round < offer.round:
+                    continue  # not there yet: ask again next time
+                settled.add(peer_id)
+                if head.round == offer.round and head.vector == offer.vector:
+                    heads[peer_id] = head.param_hash
+            verdict = outvoted(offer.param_hash, heads)
+            if verdict is not None:
+                logger.error(
+                    "zo: our weights at round %d (%s) differ from %d peers' (%s) on the same log: recovering",
+                    offer.round,
+                    offer.param_hash[:16],
+                    len(verdict[1]),
+                    verdict[0][:16],
+                )
+                self._outvoted = (offer.round, *verdict)
+                self.sync.wake()
+
+    async def _recover_if_outvoted(self, worker: WorkerConnection) -> bool:
+        """Take a majority peer's checkpoint when ``agree_forever`` found us outvoted."""
+        if self._outvoted is None or self._checkpoint_dir is None:
+            return False
+        round_index, param_hash, peers = self._outvoted
+        self._outvoted = None
+        self._recovered_rounds.add(round_index)
+        dest = self._checkpoint_dir / f"{self._run_id}.zo-recovered.ckpt"
+        for peer_id in peers:
+            try:
+                offer = await self.checkpoints.fetch(peer_id, dest)
+            except ProtocolError as exc:
+                logger.info("recovery checkpoint from %s: %s", peer_id, exc)
+                continue
+            if offer is None or offer.round != round_index or offer.param_hash != param_hash:
+                continue
+            await worker.send("zo_load", path=str(dest), param_hash=param_hash)
+            reply = await worker.receive()
+            if reply["t"] != "zo_loaded":
+                raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
+            if reply.get("ok") is True:
+                below = list(self.log.ordered(below_round=round_index))
+                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
+                self.checkpoints.offer = replace(offer, path=dest)  # we hold what the majority holds now
+                self.recoveries += 1
+                logger.warning("zo: recovered the majority's weights at round %d from %s", round_index, peer_id)
+                return True
+        logger.error("zo: outvoted, but no majority peer's checkpoint could be taken; carrying on")
+        return False
+
+    async def _finish(self, worker: WorkerConnection) -> None:
+        await self._send_updates(worker, below_round=self._rounds)
+        await worker.send("zo_finish")
+        done = await worker.receive()
+        if done["t"] != "zo_done":
+            raise WorkerGone(f"expected zo_done, got {done['t']!r}")
+        self.param_hash = str(done.get("param_hash"))
+        self.final_val_loss = float(done.get("val_loss", 0.0))
+        self._hashed_entries = len(self._applied)
+        logger.info("zo: %d log entries applied, weights %s", len(self._applied), self.param_hash[:16])
+
+    async def _save_checkpoint(self, worker: WorkerConnection, round_index: int) -> None:
+        """The worker holds genesis + rounds < ``round_index``: offer that to late joiners."""
+        if self._checkpoint_dir is None:
+            return
+        path = self._checkpoint_dir / f"{self._run_id}.zo-{round_index}.ckpt"
+        # What the worker holds, exactly: entries may reach the log while it saves, and a
+        # vector counting those would describe other weights than the file's.
+        vector = dict(Counter(entry.peer_id for entry, _ in self._applied if entry.round < round_index))
+        await worker.send("zo_save", path=str(path), round=round_index)
+        reply = await worker.receive()
+        if reply["t"] != "zo_saved":
+            raise WorkerGone(f"expected zo_saved, got {reply['t']!r}")
+        if reply.get("save_error"):
+            logger.error("zo: no checkpoint at round %d: %s", round_index, str(reply["save_error"])[:300])
+            return  # peers keep fetching our previous one, if any
+        nbytes = (await trio.Path(path).stat()).st_size
+        sha256 = await zockpt.file_sha256(path)
+        self.checkpoints.offer = zockpt.Offer(round_index, vector, str(reply.get("param_hash")), path, nbytes, sha256)
+        self._saved.append(path)
+        while len(self._saved) > 2:  # one being served may still be open: keep the previous one
+            with contextlib.suppress(FileNotFoundError):
+                await trio.Path(self._saved.pop(0)).unlink()
+
+    async def _start_from_checkpoint(self, worker: WorkerConnection) -> None:
+        """A late joiner: take a peer's checkpoint that matches our log, instead of replaying it all."""
+        assert self._checkpoint_dir is not None
+        dest = self._checkpoint_dir / f"{self._run_id}.zo-fetched.ckpt"
+        for peer_id in self._partners():
+            try:
+                offer = await self.checkpoints.fetch(peer_id, dest)
+                if offer is not None and self.log.count_below(offer.round) != offer.vector:
+                    await self.sync.pull(peer_id)  # it may know entries we have not pulled yet
+            except ProtocolError as exc:
+                logger.info("no checkpoint from %s: %s", peer_id, exc)
+                continue
+            if offer is None:
+                continue
+            if self.log.count_below(offer.round) != offer.vector:
+                logger.info("checkpoint of %s at round %d does not match our log; not taken", peer_id, offer.round)
+                continue
+            await worker.send("zo_load", path=str(dest), param_hash=offer.param_hash)
+            reply = await worker.receive()
+            if reply["t"] != "zo_loaded":
+                raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
+            if reply.get("ok") is True:
+                below = list(self.log.ordered(below_round=offer.round))
+                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
+                self.checkpoint_round = offer.round
+                logger.info("zo: started from %s's checkpoint at round %d", peer_id, offer.round)
+                return
+            logger.info("checkpoint of %s refused by the worker: %s", peer_id, reply.get("reason"))
+
+    async def _catch_up_once(self) -> None:
+        """One pull from every live trainer (a failed one is only logged)."""
+        for peer_id in self._partners():
+            try:
+                await self.sync.pull(peer_id)
+            except ProtocolError as exc:
+                logger.debug("zo log pull from %s: %s", peer_id, exc)
+
+    async def _wait_for_round(self, round_index: int) -> None:
+        """Until every producing live trainer's chain reaches ``round_index`` (bounded by ``wait_s``)."""
+        if round_index < 0:
+            return
+        with trio.move_on_after(self._wait_s):
+            while True:
+                changed = self.sync.changed
+                # Only peers already producing: one that is live but has published nothing
+                # yet is still starting (a late joiner replaying the log) or not training.
+                missing = [p for p in self._partners() if -1 < self.log.last_round(p) < round_index]
+                if not missing:
+                    return
+                with trio.move_on_after(PULL_INTERVAL_S):
+                    await changed.wait()
+        logger.info("round %d: going on without every peer's update (late ones are replayed)", round_index + 1)
+
+    async def _send_updates(self, worker: WorkerConnection, *, below_round: int) -> None:
+        """Bring the worker to genesis + every round < ``below_round`` of the log.
+
+        The arithmetic groups by round (kernels/zo_apply.py sums one round's updates, then
+        subtracts once), so a worker only ever applies whole rounds, one message each; if
+        what it holds is not a prefix of whole rounds of the log (an entry arrived late, an
+        author was excluded, a late entry changed the robust scale of later rounds), it
+        starts over from the genesis weights. Codes are the robust ones (zolog.robust_codes):
+        a function of the log alone, so every node applies the same.
+        """
+        canonical = list(self.log.ordered(below_round=below_round))
+        robust = zolog.robust_codes(canonical)
+        self.clipped, self.silenced = robust.clipped, robust.silenced
+        for author in robust.silenced_authors - self._silenced_authors:
+            # Counted zero on every node alike; not banned: g are spread wide, and only a
+            # rule a signed batch breaks (zolog.Forbidden) is proof of an attack.
+            self._silenced_authors.add(author)
+            logger.warning("zo: %s's g sit far above the run's scale: its updates count zero", author)
+        target = list(zip(canonical, robust.codes, strict=True))
+        held = len(self._applied)
+        # The log can also shrink (an author excluded for equivocation drops its whole chain):
+        # then what we hold is no prefix and the worker starts over.
+        whole = held == 0 or held >= len(target) or target[held][0].round > self._applied[-1][0].round
+        rebuild = target[:held] != self._applied or not whole
+        todo = target if rebuild else target[held:]
+        if rebuild:
+            self.rebuilds += 1
+            logger.info("zo: the log changed below what we applied; replaying %d entries from genesis", len(todo))
+            if not todo:
+                await worker.send("zo_apply", rebuild=True, updates=[])
+        for i, (_, group) in enumerate(itertools.groupby(todo, key=lambda pair: pair[0].round)):
+            updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), code] for e, code in group if code]
+            # One round is one summed group, however many messages carry it (the worker
+            # applies once the last part came): a round of many members never overflows.
+            parts = [updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)]
+            for k, part in enumerate(parts or [[]]):
+                more = k < len(parts) - 1
+                await worker.send("zo_apply", rebuild=rebuild and i == 0 and k == 0, updates=part, more=more)
+        self._applied = target
