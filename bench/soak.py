@@ -40,8 +40,6 @@ from node.errors import ApiError
 POLL_S = 2.0
 API_WAIT_S = 120.0
 FINISH_TIMEOUT_S = 1800.0
-# Liveness tuned for a soak: a killed node is noticed in seconds, not half a minute.
-FLAGS = ["--heartbeat-s", "2", "--peer-ttl-s", "10"]
 
 
 @dataclass(slots=True)
@@ -125,7 +123,8 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
         data_dir = base / name
         data_dir.mkdir(mode=0o700)
         argv = ["node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"]
-        return Node(name, data_dir, [*argv, *FLAGS, "--log-level", args.log_level, *flags])
+        liveness = ["--heartbeat-s", str(args.heartbeat_s), "--peer-ttl-s", str(args.peer_ttl_s)]
+        return Node(name, data_dir, [*argv, *liveness, "--log-level", args.log_level, *flags])
 
     started = trio.current_time()
     boot = make("boot", ["--new-run", "soak", "--role", "bootstrap", *run_flags])
@@ -256,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-fraction", type=float, default=0.25)
     parser.add_argument("--kill-every-s", type=float, default=30.0, help="mean time between kills")
     parser.add_argument("--down-s", type=float, nargs=2, default=(5.0, 30.0), help="how long a killed node stays down")
+    # The node's defaults. 2 s / 10 s noticed a kill sooner, but on 2 cores the gossip of 17
+    # daemons' heartbeats then took ~1.5 cores from the workers (py-spy: pubsub, half of
+    # each daemon's time), and 30 ZO rounds did not finish in 40 minutes.
+    parser.add_argument("--heartbeat-s", type=float, default=5.0)
+    parser.add_argument("--peer-ttl-s", type=float, default=30.0)
     parser.add_argument("--log-level", default="warning", help="the nodes' (their logs: <tmp dir>/<node>/node.log)")
     args = parser.parse_args(argv)
     print(json.dumps(trio.run(main_async, args), indent=1))

@@ -103,7 +103,8 @@ Session = Callable[[WorkerConnection], Awaitable[None]]
 
 class Supervisor:
     def __init__(self, config: WorkerConfig, session: Session, *, log_path: str | None = None) -> None:
-        self._config = config
+        self.config = config
+        """What the next worker starts with (an algorithm may change it before the first)."""
         self._session = session
         self._log_path = log_path
         self.num_starts = 0
@@ -125,7 +126,7 @@ class Supervisor:
 
     async def _run_once(self) -> bool:
         """One worker's life; True if it finished its rounds."""
-        command = [sys.executable, "-m", "training.worker", self._config.to_json()]
+        command = [sys.executable, "-m", "training.worker", self.config.to_json()]
         stderr = open(self._log_path, "ab") if self._log_path else None  # noqa: ASYNC230, SIM115
         try:
             process = await trio.lowlevel.open_process(

@@ -132,6 +132,7 @@ class TrainingService:
             metrics=self.metrics,
             partners=self._partners,
             is_member=self._is_trainer_member,
+            peers_changed=lambda: self._peers.changed,
             listen_ip=self._listen_ip,
             upload_limit=self._upload_limit,
             log_path=self._log_path,

@@ -12,7 +12,7 @@ Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
 
 ``sha256`` is the file's: the joiner checks it while the bytes arrive and refuses the file
 (before anything parses it) if it differs. ``head``: the header only, to compare weights
-(node/algorithms/zo.py: the param-hash agreement) without fetching them.
+(node/algorithms/zo_rounds.py: the param-hash agreement) without fetching them.
 
 A checkpoint at round r is the weights after every logged update of rounds < r; ``vector``
 says how many entries of each peer's chain it includes. The joiner takes it only if that
@@ -73,15 +73,19 @@ async def file_sha256(path: Path) -> str:
 
 
 class ZoCheckpoints:
-    def __init__(self, host: Host, run_id: str, *, max_nbytes: int) -> None:
+    """Serves our offer and fetches peers'; ``protocol_id`` names what is offered (ZO weights
+    by default; node/algorithms/rounds.py offers a φ/Δ node's saved state the same way)."""
+
+    def __init__(self, host: Host, run_id: str, *, max_nbytes: int, protocol_id: str = PROTOCOL_ID) -> None:
         self._host = host
         self._run_id = run_id
         self._max_nbytes = max_nbytes
+        self._protocol_id = protocol_id
         self.offer: Offer | None = None
         """What we serve: set by the ZO rounds after the worker saved a checkpoint."""
 
     def register(self) -> None:
-        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
+        self._host.set_handler(self._protocol_id, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
 
     async def fetch(self, peer_id: str, dest: Path) -> Offer | None:
         """Ask ``peer_id`` for its checkpoint and write it to ``dest``; None if it has none.
@@ -97,7 +101,7 @@ class ZoCheckpoints:
 
     async def _ask(self, peer_id: str, dest: Path | None) -> Offer | None:
         with trio.move_on_after(TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S) as scope:
-            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
+            stream = await self._host.open_stream(peer_id, self._protocol_id, timeout_s=HEADER_TIMEOUT_S)
             try:
                 await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
                 with trio.fail_after(HEADER_TIMEOUT_S):

@@ -33,6 +33,9 @@ class WorkerConfig:
     """torch.compile the model: auto means on CUDA only (on a CPU it barely helps small models)."""
     checkpoint_path: str | None = None
     """Saved after every outer step and resumed from at start (training/checkpoint.py)."""
+    start_from: str | None = None
+    """Without a checkpoint of its own: a peer's saved state to start from (a late joiner,
+    node/algorithms/rounds.py), checked to fit and be finite, whatever its settings' fingerprint."""
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings a checkpoint must have been saved with to be resumed (not ``rounds``:

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of these
+    import trio
+
     from node.config import TrainingConfig
     from node.supervisor import Supervisor
     from protocol.host import Host
@@ -54,6 +56,8 @@ class Context:
     """Live trainers of this run we may train with (sorted; banned peers left out)."""
     is_member: Callable[[str], bool]
     """A peer whose own signed member record says it trains in this run (and not banned)."""
+    peers_changed: Callable[[], "trio.Event"]
+    """Set at the next change of liveness (``partners`` may differ then): take, check, wait."""
     listen_ip: str
     upload_limit: "RateLimit"
     log_path: str

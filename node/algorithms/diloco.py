@@ -124,7 +124,7 @@ class Diloco(PayloadRounds):
     def ready(self, worker: WorkerConnection) -> None:
         self.exchanges.payload_nbytes = worker.payload_nbytes
 
-    def status(self) -> dict[str, Any]:
+    def traffic(self) -> dict[str, Any]:
         return {"bytes_sent": self.exchanges.bytes_sent, "bytes_received": self.exchanges.bytes_received}
 
     async def exchange(

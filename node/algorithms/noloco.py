@@ -29,7 +29,7 @@ class Noloco(PayloadRounds):
     async def serve(self, nursery: Any) -> None:
         await nursery.start(self.pairing.run)
 
-    def status(self) -> dict[str, Any]:
+    def traffic(self) -> dict[str, Any]:
         return {"bytes_sent": self.pairing.bytes_sent, "bytes_received": self.pairing.bytes_received}
 
     async def exchange(

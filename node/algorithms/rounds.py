@@ -8,12 +8,15 @@ arrive over the direct data channel (protocol/exchange.py), each authorized firs
 algorithm's ``Inbox``, before a byte is allocated.
 """
 
+import dataclasses
 import logging
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import trio
 
 from node.algorithms.base import Context
+from node.algorithms.joining import MEET_WAIT_S, StateOffers
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from protocol.data_channel import DataChannel
 from protocol.exchange import Payload, TensorReceiver
@@ -34,11 +37,13 @@ class Inbox(Protocol):
 class PayloadRounds:
     """The shared loop; a subclass says what a round exchanges (``exchange``)."""
 
-    REPORT_KEYS: ClassVar[tuple[str, ...]] = ()
+    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.supervisor = Supervisor(ctx.worker_config, self._session, log_path=ctx.log_path)
+        self.states = StateOffers(ctx.host, ctx.state.run_id, ctx.checkpoint_dir)
+        self.start_round = 0
 
     # What a subclass provides.
 
@@ -68,11 +73,17 @@ class PayloadRounds:
     def settled(statuses: list[dict[str, Any]]) -> bool:
         return True
 
-    def status(self) -> dict[str, Any]:
+    def traffic(self) -> dict[str, Any]:
+        """Payload bytes moved (``bytes_sent``, ``bytes_received``)."""
         return {"bytes_sent": 0, "bytes_received": 0}
+
+    def status(self) -> dict[str, Any]:
+        return {**self.traffic(), "start_round": self.start_round, "joined_from": self.states.joined_from}
 
     async def train(self) -> None:
         inbox = self.inbox()
+        self.states.register()
+        await self._join()
         async with trio.open_nursery() as nursery:
             if inbox is not None:
                 channel = DataChannel(self.ctx.listen_ip)
@@ -93,6 +104,26 @@ class PayloadRounds:
             logger.info("training finished: %d rounds, %d with a partner", metrics.rounds, metrics.rounds_with_partner)
             nursery.cancel_scope.cancel()
 
+    async def _join(self) -> None:
+        """Without a checkpoint of our own, start from a peer's state at the run's round
+        (node/algorithms/joining.py); nobody ahead, or nobody to ask: from round 0."""
+        own = self.ctx.worker_config.checkpoint_path
+        if own is None or self.ctx.checkpoint_dir is None or await trio.Path(own).exists():
+            return
+        me = self.ctx.host.peer_id
+        if not any(p != me and r.role == "trainer" for p, r in self.ctx.state.members.items()):
+            return  # the run's first trainer: nobody can be ahead
+        with trio.move_on_after(MEET_WAIT_S):  # a bounded wait to meet the live ones, then we ask
+            while True:
+                changes = (self.ctx.peers_changed(), self.ctx.state.changed)
+                if self.ctx.partners():
+                    break
+                await _first_of(*changes)
+        dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
+        fetched = await self.states.join(self.ctx.partners(), dest)
+        if fetched is not None:
+            self.supervisor.config = dataclasses.replace(self.supervisor.config, start_from=str(fetched))
+
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
         assert worker.outbox.buf is not None and worker.inbox.buf is not None
@@ -100,11 +131,14 @@ class PayloadRounds:
         if metrics.first_ready is None:
             metrics.first_ready = trio.current_time()
         # A restarted worker resumes from its checkpoint: rounds after it are done again.
+        if not metrics.loss_curve:
+            self.start_round = worker.start_round  # where this node began (a joiner: its peer's round)
         metrics.rounds = worker.start_round
-        del metrics.loss_curve[worker.start_round :]
+        del metrics.loss_curve[worker.start_round - self.start_round :]  # the curve begins at start_round
         if worker.start_round >= self.ctx.run.rounds:
             return
         self.ready(worker)
+        own = self.ctx.worker_config.checkpoint_path
         outbox = worker.outbox.buf[: worker.payload_nbytes]
         inbox = worker.inbox.buf[: worker.payload_nbytes]
         try:
@@ -121,6 +155,8 @@ class PayloadRounds:
                 elif message["t"] == "outer_done":
                     await self.judge(message)
                     self._note_save(message)
+                    if own is not None and not message.get("save_error"):
+                        await self.states.offer(Path(own), int(message["round"]) + 1)
                     metrics.rounds += 1
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
@@ -148,3 +184,15 @@ class PayloadRounds:
         elif not error and metrics.checkpoint_error:
             logger.info("checkpoints are saved again")
         metrics.checkpoint_error = error
+
+
+async def _first_of(*events: trio.Event) -> None:
+    """Until one of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait, event)

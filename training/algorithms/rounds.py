@@ -40,6 +40,7 @@ def resume(config: WorkerConfig, trainer: Trainer) -> None:
     """Continue from the checkpoint if there is a usable one; a damaged or foreign one is
     moved aside (kept for the user, never deleted) and training starts over."""
     if config.checkpoint_path is None or not Path(config.checkpoint_path).exists():
+        start_from_peer(config, trainer)
         return
     path = Path(config.checkpoint_path)
     try:
@@ -53,6 +54,24 @@ def resume(config: WorkerConfig, trainer: Trainer) -> None:
         logger.warning("checkpoint %s is unusable (%s); kept as %s; starting from round 0", path, exc, aside)
         return
     logger.info("resumed from %s at round %d (step %d)", path, trainer.round, trainer.step)
+
+
+def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
+    """A late joiner: a peer's saved state (φ, outer momentum, AdamW's moments, its round;
+    the run's last round if the run is over: then there is nothing left to train). Refused
+    (and training starts at round 0) unless it fits this model and is finite; its
+    fingerprint is the peer's (another shard), so it is not compared."""
+    if config.start_from is None or not Path(config.start_from).exists():
+        return
+    try:
+        tensors, meta = checkpoint.load(Path(config.start_from))
+        if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.rounds):
+            raise checkpoint.CheckpointError(f"round {meta.get('round')!r} is not one of this run's")
+        trainer.restore(tensors, meta)
+    except checkpoint.CheckpointError as exc:
+        logger.warning("a peer's state %s is unusable (%s); starting from round 0", config.start_from, exc)
+        return
+    logger.info("starting from a peer's state at round %d", trainer.round)
 
 
 def save(config: WorkerConfig, trainer: Trainer) -> str | None:

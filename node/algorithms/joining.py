@@ -1,0 +1,116 @@
+"""A φ/Δ node's saved state for late joiners: offered after every round, fetched at a join.
+
+Without it a node that joins a NoLoCo or DiLoCo run late (or comes back having lost its
+disk) starts at round 0 with fresh weights: its peers are rounds ahead, so it trains
+alone (measured before: a partner in 0 of 8 rounds). Now every node offers the state its
+worker saved after its last outer step (φ, outer momentum, AdamW's moments, its round;
+a training/checkpoint.py safetensors file) over ``/swarmtrain/state-ckpt/1.0.0`` (the
+transfer of protocol/zockpt.py: header first, the file's sha256 checked as it arrives,
+before anything parses it). A node with no checkpoint of its own asks every live trainer
+for its header and starts from one of them, at the run's current round:
+
+- the round is vouched for by more than one peer: we take the second-highest round
+  offered, so one peer claiming a far round cannot move a joiner (with a single peer
+  offering, its round is taken: a run of two has no second opinion);
+- the file comes from a peer at that round or the nearest below, its bytes hash as
+  announced, and the worker then refuses it unless it fits the model and is finite
+  (training/algorithms/rounds.py ``start_from_peer``).
+
+A NoLoCo node's φ is its own (partners average pairwise), so a joiner starts from one
+peer's and pairing mixes it in from its first round; a DiLoCo run's φ is the same on
+every node.
+"""
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import trio
+
+from protocol import zockpt
+from protocol.errors import ProtocolError
+from protocol.host import Host
+
+logger = logging.getLogger("node.training")
+
+PROTOCOL_ID = "/swarmtrain/state-ckpt/1.0.0"
+MAX_STATE_NBYTES = 16 << 30
+# How long a node without a checkpoint waits to meet a live trainer before it starts alone
+# at round 0 (the first nodes of a run meet nobody who is ahead).
+MEET_WAIT_S = 20.0
+KEEP_OFFERED = 2
+
+
+def vouched_round(rounds: list[int]) -> int | None:
+    """The round to join at: the second highest offered (the only one if one peer offers)."""
+    ordered = sorted(rounds, reverse=True)
+    if not ordered:
+        return None
+    return ordered[1] if len(ordered) > 1 else ordered[0]
+
+
+class StateOffers:
+    def __init__(self, host: Host, run_id: str, directory: Path | None) -> None:
+        self._run_id = run_id
+        self._directory = directory
+        self.service = zockpt.ZoCheckpoints(host, run_id, max_nbytes=MAX_STATE_NBYTES, protocol_id=PROTOCOL_ID)
+        self._offered: list[Path] = []
+        self.joined_from: str | None = None
+        """The peer whose state we started from, if any."""
+        self.joined_at: int | None = None
+
+    def register(self) -> None:
+        self.service.register()
+
+    async def offer(self, saved: Path, round_index: int) -> None:
+        """After the worker saved ``saved`` (its state before ``round_index``): offer it.
+        A hard link keeps the bytes the header describes while the worker replaces the file."""
+        if self._directory is None or round_index < 1:
+            return
+        path = self._directory / f"{self._run_id}.state-{round_index}.ckpt"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                await trio.Path(path).unlink()
+            await trio.to_thread.run_sync(os.link, saved, path)
+            nbytes = (await trio.Path(path).stat()).st_size
+            sha256 = await zockpt.file_sha256(path)
+        except OSError as exc:
+            logger.info("not offering our state of round %d: %s", round_index, exc)
+            return
+        self.service.offer = zockpt.Offer(round_index, {}, sha256, path, nbytes, sha256)
+        self._offered.append(path)
+        while len(self._offered) > KEEP_OFFERED:  # one being served may still be open: keep the previous one
+            with contextlib.suppress(FileNotFoundError):
+                await trio.Path(self._offered.pop(0)).unlink()
+
+    async def join(self, partners: list[str], dest: Path) -> Path | None:
+        """Fetch the state of the run's current round into ``dest``; None if nobody is ahead."""
+        heads: dict[str, int] = {}
+        for peer_id in partners:
+            try:
+                head = await self.service.head(peer_id)
+            except ProtocolError as exc:
+                logger.info("no state header from %s: %s", peer_id, exc)
+                continue
+            if head is not None:
+                heads[peer_id] = head.round
+        target = vouched_round(list(heads.values()))
+        if target is None:
+            return None
+        # Nearest at or below the vouched round first (they may have moved on since).
+        for peer_id in sorted((p for p, r in heads.items() if r <= target), key=lambda p: -heads[p]):
+            try:
+                offer = await self.service.fetch(peer_id, dest)
+            except ProtocolError as exc:
+                logger.info("no state from %s: %s", peer_id, exc)
+                continue
+            if offer is None:
+                continue
+            if offer.round > target + 1:
+                logger.info("%s's state is at round %d, past the vouched %d: not taken", peer_id, offer.round, target)
+                continue
+            self.joined_from, self.joined_at = peer_id, offer.round
+            logger.info("joining at round %d from %s's state", offer.round, peer_id)
+            return dest
+        return None

@@ -1,0 +1,59 @@
+"""A NoLoCo node that joins late starts from a peer's state at the run's round, not from round 0."""
+
+from pathlib import Path
+
+import pytest
+
+from node.algorithms.joining import vouched_round
+from node.algorithms.noloco import Noloco
+from node.daemon import Daemon
+from tests.adversarial.harness import finished, start_trainers, until
+from tests.conftest import open_swarm
+
+# Long enough that the first two are still training when the late one has joined.
+ROUNDS = 30
+JOIN_AFTER = 3
+TRAINING = {
+    "run__settings__algorithm": "noloco",
+    "run__settings__model": "micro",
+    "run__settings__rounds": ROUNDS,
+    "run__settings__inner__steps_per_round": 5,
+    "training__pair_timeout_s": 20.0,
+}
+TIMEOUT_S = 240.0
+
+
+def test_the_round_to_join_at_needs_a_second_peer() -> None:
+    assert vouched_round([]) is None
+    assert vouched_round([7]) == 7  # a run of two has no second opinion
+    assert vouched_round([3, 1000, 4]) == 4  # one peer claiming a far round moves nothing
+    assert vouched_round([5, 5]) == 5
+
+
+def rounds_done(daemon: Daemon) -> int:
+    return daemon.training.metrics.rounds if daemon.training else 0
+
+
+@pytest.mark.integration
+async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(short_tmp: Path) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        first = await start_trainers(swarm, 2, TRAINING, run_name="join")
+        await until(first, lambda: all(rounds_done(n) >= JOIN_AFTER for n in first), timeout_s=TIMEOUT_S)
+        assert first[0].run_service is not None
+        boot = swarm.daemons[0]
+        assert boot.host is not None
+        run_id = first[0].run_service.state.run_id
+        late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **TRAINING)
+        nodes = [*first, late]
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
+        assert late.training is not None and isinstance(late.training.algorithm, Noloco)
+        status = late.training.status()
+        assert status is not None
+        assert status["joined_from"] in {n.peer_id for n in first}
+        assert status["start_round"] >= JOIN_AFTER
+        # It trained only the rounds left, and started from trained weights: its first
+        # validation loss is far below a fresh model's (ln 256 ≈ 5.5 for bytes).
+        assert status["rounds"] == ROUNDS
+        assert len(status["loss_curve"]) == ROUNDS - status["start_round"]
+        fresh = first[0].training.metrics.loss_curve[0][1] if first[0].training else 0.0
+        assert status["loss_curve"][0][1] < fresh
