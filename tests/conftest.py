@@ -13,6 +13,7 @@ from hypothesis import settings
 
 from node import config as config_module
 from node.daemon import Daemon
+from node.waiting import until
 
 # Hypothesis' per-example deadline is a timing assertion, and these machines are noisy.
 settings.register_profile("swarmtrain", deadline=None)
@@ -106,20 +107,6 @@ async def open_swarm(base: Path) -> AsyncIterator[Swarm]:
 async def wait_until(
     predicate: Callable[[], bool], events: Callable[[], list[trio.Event]], *, timeout_s: float
 ) -> None:
-    """Re-check ``predicate`` at every change until it holds; TooSlowError after ``timeout_s``.
-
-    The events are taken before the check, so a change between check and wait still wakes us.
-    """
+    """Re-check ``predicate`` at every change until it holds; TooSlowError after ``timeout_s``."""
     with trio.fail_after(timeout_s):
-        while True:
-            pending = events()
-            if predicate():
-                return
-            async with trio.open_nursery() as nursery:
-
-                async def wake(event: trio.Event) -> None:
-                    await event.wait()
-                    nursery.cancel_scope.cancel()
-
-                for event in pending:
-                    nursery.start_soon(wake, event)
+        await until(predicate, events)

@@ -58,7 +58,6 @@ class StateOffers:
         self._offered: list[Path] = []
         self.joined_from: str | None = None
         """The peer whose state we started from, if any."""
-        self.joined_at: int | None = None
 
     def register(self) -> None:
         self.service.register()
@@ -110,7 +109,7 @@ class StateOffers:
             if offer.round > target + 1:
                 logger.info("%s's state is at round %d, past the vouched %d: not taken", peer_id, offer.round, target)
                 continue
-            self.joined_from, self.joined_at = peer_id, offer.round
+            self.joined_from = peer_id
             logger.info("joining at round %d from %s's state", offer.round, peer_id)
             return dest
         return None

@@ -18,6 +18,7 @@ import trio
 from node.algorithms.base import Context
 from node.algorithms.joining import MEET_WAIT_S, StateOffers
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
+from node.waiting import until
 from protocol.data_channel import DataChannel
 from protocol.exchange import Payload, TensorReceiver
 
@@ -114,11 +115,7 @@ class PayloadRounds:
         if not any(p != me and r.role == "trainer" for p, r in self.ctx.state.members.items()):
             return  # the run's first trainer: nobody can be ahead
         with trio.move_on_after(MEET_WAIT_S):  # a bounded wait to meet the live ones, then we ask
-            while True:
-                changes = (self.ctx.peers_changed(), self.ctx.state.changed)
-                if self.ctx.partners():
-                    break
-                await _first_of(*changes)
+            await until(lambda: bool(self.ctx.partners()), lambda: [self.ctx.peers_changed(), self.ctx.state.changed])
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
         fetched = await self.states.join(self.ctx.partners(), dest)
         if fetched is not None:
@@ -184,15 +181,3 @@ class PayloadRounds:
         elif not error and metrics.checkpoint_error:
             logger.info("checkpoints are saved again")
         metrics.checkpoint_error = error
-
-
-async def _first_of(*events: trio.Event) -> None:
-    """Until one of ``events`` is set."""
-    async with trio.open_nursery() as nursery:
-
-        async def wait(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        for event in events:
-            nursery.start_soon(wait, event)
