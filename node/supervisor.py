@@ -99,6 +99,8 @@ def attach_block(name: str) -> shared_memory.SharedMemory:
 
 Session = Callable[[WorkerConnection], Awaitable[None]]
 """Drives one worker from "ready" until it finishes (returns) or dies (WorkerGone)."""
+StartingPoint = Callable[[], Awaitable[str | None]]
+"""A worker built its model and has no checkpoint: the peer state to start from, or None."""
 
 
 class Supervisor:
@@ -109,6 +111,8 @@ class Supervisor:
         self._log_path = log_path
         self.num_starts = 0
         self.finished = trio.Event()
+        self.starting_point: StartingPoint | None = None
+        """Asked when a worker with ``ask_start_from`` says ``built``."""
 
     async def run(self) -> None:
         delay_s = RESTART_DELAY_S
@@ -138,6 +142,10 @@ class Supervisor:
         connection = WorkerConnection(process)
         try:
             ready = await connection.receive()
+            if ready["t"] == "built":
+                path = await self.starting_point() if self.starting_point is not None else None
+                await connection.send("start", path=path)
+                ready = await connection.receive()
             if ready["t"] != "ready":
                 raise WorkerGone(f"worker began with {ready['t']!r}")
             connection.attach(ready)

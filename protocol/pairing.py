@@ -26,6 +26,22 @@ to ask again: a peer paired for our round, or already past it, never will be fre
 out the bound. Everything is
 bounded by ``timeout_s``: with no partner by then, the round goes on alone (NoLoCo skips
 the γ term), and a slow or dead peer never holds anyone longer than that.
+
+Pulls: pairs leave one node out whenever an odd number reach a round together, and a node
+that reached it late (a joiner still starting up, a restarted one) finds everyone paired or
+gone on. Such a node asks for a pull instead:
+
+    {t: "pull?", v: 1, round, nbytes} ───────▶ accepted while our outbox still holds that
+                                                round's payload (from our boundary until our
+                                                worker's next one), once per peer per round
+                                      ◀───────── {t: "accept"} (then our payload, one way) or "busy"
+
+The puller averages with our φ; we do not take its payload (our round is done or paired).
+Measured before pulls: a late NoLoCo joiner, one round behind its peers for good, had a
+partner in 0 of 6 rounds. The worker does not overwrite the outbox before ``close_pulls``
+(node/algorithms/noloco.py calls it at the worker's ``inner_done``), which waits for pulls
+under way at most ``pull_grace_s`` for the payload's size, then cuts them: a slow puller
+delays our round by at most that, once per round.
 """
 
 import logging
@@ -60,6 +76,14 @@ NO_SHOW_POINTS = 3
 # Pause between sweeps over the candidates (peers may reach their boundary any moment).
 RETRY_PAUSE_S = (0.05, 0.3)
 PAYLOAD_NAME = "noloco"
+# How long the worker waits for pulls under way when it needs its outbox back: a fixed part
+# plus the payload at 100 Mbit/s (an honest pull over loopback or a LAN takes milliseconds).
+PULL_GRACE_S = 5.0
+PULL_GRACE_BYTES_PER_S = 12.5e6
+
+
+def pull_grace_s(nbytes: int) -> float:
+    return PULL_GRACE_S + nbytes / PULL_GRACE_BYTES_PER_S
 
 
 @dataclass(slots=True)
@@ -77,6 +101,18 @@ class _Round:
     sends: list[trio.Event] = field(default_factory=list)
     """One per send of our outbox (to each partner we had this round), set when it ended."""
     no_shows: set[str] = field(default_factory=set)
+    pulled: bool = False
+    """``partner`` is a peer we pull from: it takes no payload from us."""
+
+
+@dataclass(slots=True)
+class _Pulls:
+    """Pulls of one round's payload from our outbox (valid until ``close_pulls``)."""
+
+    index: int
+    outbox: memoryview
+    by: set[str] = field(default_factory=set)
+    sends: list[tuple[trio.CancelScope, trio.Event]] = field(default_factory=list)
 
 
 class Pairing:
@@ -99,8 +135,12 @@ class Pairing:
         self._asking = trio.Lock()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._pulls: _Pulls | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.pulls_served = 0
+        self.last_pulled = False
+        """The last round's partner payload was a pull."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
@@ -145,12 +185,16 @@ class Pairing:
         self, round_index: int, outbox: memoryview, inbox: memoryview, candidates: list[str], *, timeout_s: float
     ) -> str | None:
         """Pair for this round and fill ``inbox`` with the partner's payload; the partner, or None."""
+        await self.close_pulls(grace=False)  # the outbox holds this round's payload now
         current = _Round(round_index, outbox, inbox)
         self._round = current
+        self._pulls = _Pulls(round_index, outbox)
         try:
             with trio.move_on_after(timeout_s):
                 while True:
                     await self._pair(current, candidates)
+                    if current.partner is None:
+                        await self._pull(current, candidates)
                     if current.partner is None:
                         return None  # nobody left who could pair for this round
                     if await self._await_payload(current):
@@ -161,6 +205,7 @@ class Pairing:
                     await sent.wait()
             return current.partner if current.received else None
         finally:
+            self.last_pulled = current.pulled and current.received
             self._round = None
             self._last_round = max(self._last_round, round_index)
 
@@ -223,13 +268,38 @@ class Pairing:
             with trio.move_on_after(random.uniform(*RETRY_PAUSE_S)):
                 await changed.wait()  # someone paired with us, or a pause before the next sweep
 
-    async def _ask(self, peer_id: str, current: _Round) -> str:
+    async def _pull(self, current: _Round, candidates: list[str]) -> None:
+        """Nobody can pair with us for this round: take one peer's payload of it one way."""
+        allowed = [
+            p
+            for p in candidates
+            if self._host.tensor_refusal(p) is None and self._is_member(p) and p not in current.no_shows
+        ]
+        for peer_id in random.sample(allowed, len(allowed)):
+            async with self._asking:
+                if current.partner is not None:
+                    return  # someone asked us to pair meanwhile
+                current.asking = peer_id
+                try:
+                    answer = await self._ask(peer_id, current, question="pull?")
+                finally:
+                    current.asking = None
+                if answer == "accept":
+                    current.partner = peer_id
+                    current.pulled = True
+                    if current.early is not None:
+                        current.inbox[:] = current.early
+                        current.received = True
+                    return
+                current.early = None
+
+    async def _ask(self, peer_id: str, current: _Round, *, question: str = "pair?") -> str:
         """ "accept", "busy" (ask again later) or "never" (it cannot pair for this round)."""
         try:
             with trio.fail_after(ASK_TIMEOUT_S):
                 stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
                 try:
-                    await wire.send(stream, "pair?", VERSION, {"round": current.index, "nbytes": len(current.outbox)})
+                    await wire.send(stream, question, VERSION, {"round": current.index, "nbytes": len(current.outbox)})
                     reply = await wire.receive(
                         stream, msg_types=frozenset({"accept", "busy"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
                     )
@@ -256,7 +326,7 @@ class Pairing:
 
     async def _answer(self, stream: Stream) -> None:
         request = await wire.receive(
-            stream, msg_types=frozenset({"pair?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+            stream, msg_types=frozenset({"pair?", "pull?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
         )
         round_index = wire.get_int(request, "round", lo=0, hi=1 << 62)
         nbytes = wire.get_int(request, "nbytes", lo=0, hi=1 << 40)
@@ -267,6 +337,9 @@ class Pairing:
             verdict: tuple[str, str] | None = ("never", "not a member of this run")
         elif refusal is not None:
             verdict = ("never", refusal)
+        elif request["t"] == "pull?":
+            await self._answer_pull(stream, round_index, nbytes)
+            return
         elif current is None:
             verdict = ("never", "past that round") if self._last_round >= round_index else ("later", "computing")
         elif current.index != round_index:
@@ -287,6 +360,53 @@ class Pairing:
         await wire.send(stream, "accept", VERSION, {})
         self._start_sending(current)
         self._notify()
+
+    async def _answer_pull(self, stream: Stream, round_index: int, nbytes: int) -> None:
+        pulls = self._pulls
+        if pulls is None or pulls.index != round_index:
+            reason = "not holding that round's payload"
+        elif nbytes != len(pulls.outbox):
+            reason = f"payload of {nbytes} bytes, ours is {len(pulls.outbox)}"
+        elif stream.peer_id in pulls.by:
+            reason = "already pulled this round"
+        else:
+            pulls.by.add(stream.peer_id)
+            await wire.send(stream, "accept", VERSION, {})
+            scope, sent = trio.CancelScope(), trio.Event()
+            pulls.sends.append((scope, sent))
+            assert self._nursery is not None
+            self._nursery.start_soon(self._send_pull, stream.peer_id, pulls, scope, sent)
+            return
+        await wire.send(stream, "busy", VERSION, {"retry": False, "reason": reason})
+
+    async def _send_pull(self, peer_id: str, pulls: _Pulls, scope: trio.CancelScope, sent: trio.Event) -> None:
+        payload = Payload(pulls.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(pulls.outbox),)),), pulls.outbox)
+        try:
+            with scope:
+                await send_tensors(
+                    self._host, peer_id, payload, timeout_s=self._send_timeout_s, limit=self._upload_limit
+                )
+                self.bytes_sent += len(pulls.outbox)
+                self.pulls_served += 1
+        except ProtocolError as exc:
+            logger.info("sending round %d payload to %s (a pull) failed: %s", pulls.index, peer_id, exc)
+        finally:
+            sent.set()
+
+    async def close_pulls(self, *, grace: bool = True) -> None:
+        """Our outbox is about to be overwritten: no pull reads it once this returns. Pulls
+        under way get ``pull_grace_s`` to finish (none with ``grace`` false), then are cut."""
+        pulls, self._pulls = self._pulls, None
+        if pulls is None:
+            return
+        if grace:
+            with trio.move_on_after(pull_grace_s(len(pulls.outbox))):
+                for _, sent in pulls.sends:
+                    await sent.wait()
+        for scope, _ in pulls.sends:
+            scope.cancel()
+        for _, sent in pulls.sends:
+            await sent.wait()
 
     def _start_sending(self, current: _Round) -> None:
         assert self._nursery is not None and current.partner is not None

@@ -5,6 +5,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from protocol.exchange import TensorReceiver
 from protocol.host import Host, open_host, parse_dial_addr
@@ -65,14 +66,76 @@ async def test_everyone_pairs_mutually_and_gets_the_partners_payload(count: int)
         assert all(p.bytes_sent == NBYTES and p.bytes_received == NBYTES for _, p in group)
 
 
-async def test_the_odd_one_out_goes_on_alone_without_waiting_out_the_bound() -> None:
+async def test_the_odd_one_out_pulls_a_paired_peers_payload_without_waiting_out_the_bound() -> None:
     async with nodes(3) as group:
-        # Once the other two have paired, they answer "never": the odd one stops asking
-        # instead of waiting out its 600 s bound (this guard fails if it waited it out).
+        # The other two pair and answer "never" to pairing: the odd one pulls one of their
+        # payloads at once instead of going alone or waiting out its 600 s bound.
         with trio.fail_after(60):
             results = await run_round(group, timeout_s=600)
-        alone = [r for r in results if r[0] is None]
-        assert len(alone) == 1 and alone[0][1] == bytes(NBYTES)  # inbox untouched
+        ids = [h.peer_id for h, _ in group]
+        pairings = [p for _, p in group]
+        puller = next(i for i, p in enumerate(pairings) if p.last_pulled)
+        source = ids.index(results[puller][0])  # type: ignore[arg-type]
+        assert results[puller][1] == bytes([source + 1]) * NBYTES  # the pulled peer's payload, whole
+        assert results[source][0] not in (None, ids[puller])  # the pulled one kept its own partner
+        for p in pairings:  # the pulled one's send ends after the puller has every byte
+            await p.close_pulls()
+        assert [p.pulls_served for p in pairings] == [int(i == source) for i in range(3)]
+        assert pairings[puller].bytes_sent == 0  # a pull is one way
+        assert pairings[source].bytes_sent == 2 * NBYTES
+
+
+async def test_a_node_a_round_late_pulls_until_its_peers_outbox_is_overwritten() -> None:
+    async with nodes(3) as group:
+        (a, pa), (b, pb), (_, pc) = group
+        box = {i: (memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))) for i in range(3)}
+        async with trio.open_nursery() as nursery:  # a and b pair for round 0 and move on
+            nursery.start_soon(lambda: pa.find_partner(0, *box[0], [b.peer_id], timeout_s=20))
+            nursery.start_soon(lambda: pb.find_partner(0, *box[1], [a.peer_id], timeout_s=20))
+        with trio.fail_after(60):
+            # c reaches round 0 late: a and b are past it, but their outboxes still hold it.
+            pulled = await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id], timeout_s=600)
+            assert pulled in (a.peer_id, b.peer_id)
+            assert pc.last_pulled and bytes(box[2][1]) in (bytes([1]) * NBYTES, bytes([2]) * NBYTES)
+            # Once per peer per round: asked again, the pulled one says no.
+            assert await pc.find_partner(0, *box[2], [pulled], timeout_s=600) is None
+            # Their workers need the outboxes back: round 0 can no longer be pulled.
+            await pa.close_pulls()
+            await pb.close_pulls()
+            assert await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id], timeout_s=600) is None
+            assert not pc.last_pulled
+
+
+async def test_a_puller_that_never_reads_holds_the_outbox_for_the_grace_only(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow or hostile puller cannot keep our worker from its next round: the pull is cut
+    once the grace for the payload's size has passed."""
+    from protocol import pairing as pairing_module
+
+    async def never_ends(*args: object, **kwargs: object) -> None:
+        await trio.sleep_forever()
+
+    class Asked:
+        peer_id = "puller"
+        written = b""
+
+        async def write(self, data: bytes) -> None:
+            self.written += data
+
+    monkeypatch.setattr(pairing_module, "send_tensors", never_ends)
+    pairing = Pairing(None, send_timeout_s=600, is_member=lambda _: True)  # type: ignore[arg-type]  # not used here
+    async with trio.open_nursery() as nursery:
+        pairing._nursery = nursery
+        pairing._pulls = pairing_module._Pulls(0, memoryview(bytearray(NBYTES)))
+        asked = Asked()
+        await pairing._answer_pull(asked, 0, NBYTES)  # type: ignore[arg-type]
+        assert b"accept" in asked.written
+        started = trio.current_time()
+        with trio.fail_after(2 * pairing_module.pull_grace_s(NBYTES)):  # virtual time: instant
+            await pairing.close_pulls()
+        assert trio.current_time() - started == pytest.approx(pairing_module.pull_grace_s(NBYTES))
+        assert pairing._pulls is None and pairing.pulls_served == 0
 
 
 async def test_a_peer_that_is_not_at_the_boundary_is_not_waited_for() -> None:

@@ -27,8 +27,37 @@ async def start_worker(*, algorithm: str, rounds: int, model: str = "tiny", **co
 
 
 async def receive(worker: WorkerConnection) -> dict[str, Any]:
+    """The worker's next message, answering its ``inner_done`` as the daemon does."""
     with trio.fail_after(TIMEOUT_S):
-        return await worker.receive()
+        while True:
+            message = await worker.receive()
+            if message["t"] != "inner_done":
+                return message
+            await worker.send("outbox_free", round=message["round"])
+
+
+async def test_the_outbox_keeps_last_rounds_payload_until_the_daemon_frees_it() -> None:
+    """Peers behind us pull last round's payload from the outbox while our next round runs:
+    the worker must not overwrite it before ``outbox_free``."""
+    worker = await start_worker(algorithm="noloco", rounds=2)
+    ready = await receive(worker)
+    outbox = attach_block(ready["outbox"])
+    nbytes = ready["payload_nbytes"]
+    assert (await receive(worker))["round"] == 0
+    first = bytes(outbox.buf[:nbytes])
+    await worker.send("outer_go", round=0, peer=False)
+    assert (await receive(worker))["t"] == "outer_done"
+    with trio.fail_after(TIMEOUT_S):
+        asking = await worker.receive()
+    assert asking == {"t": "inner_done", "v": 1, "round": 1}
+    assert bytes(outbox.buf[:nbytes]) == first  # round 1's inner steps are done; it waits for us
+    await worker.send("outbox_free", round=1)
+    assert (await receive(worker))["t"] == "round_done"
+    assert bytes(outbox.buf[:nbytes]) != first
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+    outbox.close()
 
 
 async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:

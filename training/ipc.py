@@ -3,9 +3,15 @@
 Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v, ...}):
 
     daemon                                             worker
+                                 ◀── {t: "built"} (only with ask_start_from and no
+                                     checkpoint of its own: the model is built, where from?)
+    {t: "start", path}           ──▶ (a peer's saved state to start from, or None)
                                  ◀── {t: "ready", payload_nbytes, outbox, inbox, round}
                                      (names of two shared-memory blocks of that size;
                                      round: where it resumes, 0 without a checkpoint)
+                                 ◀── {t: "inner_done", round} (H inner steps done)
+    {t: "outbox_free", round}    ──▶ (nobody reads the outbox now: last round's payload,
+                                     which a peer behind us may pull, can be overwritten)
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s}
                                      (the outbox now holds φ then Δ, encoded as in training/trainer.py)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
@@ -50,9 +56,23 @@ LENGTH_NBYTES = 4
 # Control messages are small; a larger frame means a bug or a corrupted pipe.
 MAX_FRAME_NBYTES = 1 << 20
 WORKER_TYPES = frozenset(
-    {"ready", "round_done", "outer_done", "accumulated", "error", "zo_step", "zo_done", "zo_saved", "zo_loaded"}
+    {
+        "built",
+        "ready",
+        "inner_done",
+        "round_done",
+        "outer_done",
+        "accumulated",
+        "error",
+        "zo_step",
+        "zo_done",
+        "zo_saved",
+        "zo_loaded",
+    }
 )
-DAEMON_TYPES = frozenset({"outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish", "zo_save", "zo_load"})
+DAEMON_TYPES = frozenset(
+    {"start", "outbox_free", "outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish", "zo_save", "zo_load"}
+)
 
 
 class IpcError(Exception):

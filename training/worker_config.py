@@ -36,6 +36,10 @@ class WorkerConfig:
     start_from: str | None = None
     """Without a checkpoint of its own: a peer's saved state to start from (a late joiner,
     node/algorithms/rounds.py), checked to fit and be finite, whatever its settings' fingerprint."""
+    ask_start_from: bool = False
+    """Without a checkpoint of its own, ask the daemon for ``start_from`` once the model is
+    built (``built`` → ``start``): a joiner fetches its peer's state at the last moment, so
+    it starts as close to its peers' round as it can."""
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings a checkpoint must have been saved with to be resumed (not ``rounds``:

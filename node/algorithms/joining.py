@@ -40,6 +40,15 @@ MAX_STATE_NBYTES = 16 << 30
 # at round 0 (the first nodes of a run meet nobody who is ahead).
 MEET_WAIT_S = 20.0
 KEEP_OFFERED = 2
+# A joiner fetches right after its peers' next round boundary (their next offer), so it
+# starts that round as close behind them as the fetch allows: peers keep their payload of a
+# round for pulls only until their next boundary (protocol/pairing.py), so one that joined
+# mid-round would stay more than a round behind, alone, for good (measured: 10 s behind
+# 8 s rounds, a partner in 0 of 8). Headers are asked every BOUNDARY_POLL_S, for at most
+# BOUNDARY_WAIT_S (a run whose rounds take longer is joined mid-round).
+BOUNDARY_POLL_S = 0.25
+BOUNDARY_WAIT_S = 300.0
+WATCHED = 3
 
 
 def vouched_round(rounds: list[int]) -> int | None:
@@ -83,20 +92,45 @@ class StateOffers:
             with contextlib.suppress(FileNotFoundError):
                 await trio.Path(self._offered.pop(0)).unlink()
 
-    async def join(self, partners: list[str], dest: Path) -> Path | None:
-        """Fetch the state of the run's current round into ``dest``; None if nobody is ahead."""
+    async def _heads(self, partners: list[str]) -> dict[str, int]:
+        """The round each peer offers (those that answer and offer one)."""
         heads: dict[str, int] = {}
-        for peer_id in partners:
+
+        async def ask(peer_id: str) -> None:
             try:
                 head = await self.service.head(peer_id)
             except ProtocolError as exc:
                 logger.info("no state header from %s: %s", peer_id, exc)
-                continue
+                return
             if head is not None:
                 heads[peer_id] = head.round
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in partners:
+                nursery.start_soon(ask, peer_id)
+        return heads
+
+    async def anyone_ahead(self, partners: list[str]) -> bool:
+        """Whether any of these peers offers a round's state (it is past round 0)."""
+        return bool(await self._heads(partners))
+
+    async def join(self, partners: list[str], dest: Path, *, last_round: int) -> Path | None:
+        """Fetch the state of the run's current round into ``dest``, right after its peers'
+        next boundary (the run's ``last_round`` has none); None if nobody is ahead."""
+        heads = await self._heads(partners)
         target = vouched_round(list(heads.values()))
         if target is None:
             return None
+        if target < last_round:
+            watched = sorted(heads, key=lambda p: -heads[p])[:WATCHED]  # the two ahead and one more
+            with trio.move_on_after(BOUNDARY_WAIT_S):
+                while True:
+                    await trio.sleep(BOUNDARY_POLL_S)
+                    newer = await self._heads(watched)
+                    moved = vouched_round(list(newer.values()))
+                    if moved is not None and moved > target:
+                        heads, target = newer, moved
+                        break
         # Nearest at or below the vouched round first (they may have moved on since).
         for peer_id in sorted((p for p, r in heads.items() if r <= target), key=lambda p: -heads[p]):
             try:

@@ -42,9 +42,12 @@ class PayloadRounds:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.supervisor = Supervisor(ctx.worker_config, self._session, log_path=ctx.log_path)
+        config = dataclasses.replace(ctx.worker_config, ask_start_from=True)
+        self.supervisor = Supervisor(config, self._session, log_path=ctx.log_path)
+        self.supervisor.starting_point = self._join
         self.states = StateOffers(ctx.host, ctx.state.run_id, ctx.checkpoint_dir)
         self.start_round = 0
+        self._late = False
 
     # What a subclass provides.
 
@@ -65,6 +68,15 @@ class PayloadRounds:
         with ``outer_go`` to the worker."""
         raise NotImplementedError
 
+    async def linger(self) -> None:
+        """After the last round, before the worker stops: serve what peers still need of it
+        (NoLoCo: pulls of the last round by a node just behind us)."""
+
+    async def release_outbox(self, *, grace: bool = True) -> None:
+        """The worker is about to overwrite its outbox (or is gone): nothing may read last
+        round's payload after this returns (NoLoCo: peers pulling it; ``grace``: a pull under
+        way may finish within a bound, else it is cut at once)."""
+
     async def judge(self, done: dict[str, Any]) -> None:
         """The worker's ``outer_done``: penalize a peer whose payload it refused."""
 
@@ -84,7 +96,7 @@ class PayloadRounds:
     async def train(self) -> None:
         inbox = self.inbox()
         self.states.register()
-        await self._join()
+        self._late = await self._anyone_ahead()
         async with trio.open_nursery() as nursery:
             if inbox is not None:
                 channel = DataChannel(self.ctx.listen_ip)
@@ -100,26 +112,39 @@ class PayloadRounds:
                 receiver.register()
             await self.serve(nursery)
             await self.supervisor.run()
-            metrics = self.ctx.metrics
-            metrics.finished = True
-            logger.info("training finished: %d rounds, %d with a partner", metrics.rounds, metrics.rounds_with_partner)
+            self._finished()
             nursery.cancel_scope.cancel()
 
-    async def _join(self) -> None:
-        """Without a checkpoint of our own, start from a peer's state at the run's round
-        (node/algorithms/joining.py); nobody ahead, or nobody to ask: from round 0."""
+    def _finished(self) -> None:
+        metrics = self.ctx.metrics
+        if not metrics.finished:
+            metrics.finished = True
+            logger.info("training finished: %d rounds, %d with a partner", metrics.rounds, metrics.rounds_with_partner)
+
+    async def _anyone_ahead(self) -> bool:
+        """Whether we start late: no checkpoint of our own, and a peer already offers a
+        round's state (asked when the node starts, so nodes that start a run together all
+        begin at round 0, however long one's worker takes to build its model)."""
         own = self.ctx.worker_config.checkpoint_path
         if own is None or self.ctx.checkpoint_dir is None or await trio.Path(own).exists():
-            return
+            return False
         me = self.ctx.host.peer_id
         if not any(p != me and r.role == "trainer" for p, r in self.ctx.state.members.items()):
-            return  # the run's first trainer: nobody can be ahead
+            return False  # the run's first trainer: nobody can be ahead
         with trio.move_on_after(MEET_WAIT_S):  # a bounded wait to meet the live ones, then we ask
             await until(lambda: bool(self.ctx.partners()), lambda: [self.ctx.peers_changed(), self.ctx.state.changed])
+        return await self.states.anyone_ahead(self.ctx.partners())
+
+    async def _join(self) -> str | None:
+        """The worker built its model and has no checkpoint of its own: if we start late, a
+        peer's state at the run's round to start from (node/algorithms/joining.py), fetched
+        now that the worker is ready for it, at the peers' next round boundary, so the
+        joiner starts as close behind them as it can; else None (round 0)."""
+        if not self._late or self.ctx.checkpoint_dir is None:
+            return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        fetched = await self.states.join(self.ctx.partners(), dest)
-        if fetched is not None:
-            self.supervisor.config = dataclasses.replace(self.supervisor.config, start_from=str(fetched))
+        fetched = await self.states.join(self.ctx.partners(), dest, last_round=self.ctx.run.rounds)
+        return None if fetched is None else str(fetched)
 
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
@@ -141,7 +166,10 @@ class PayloadRounds:
         try:
             while True:
                 message = await worker.receive()
-                if message["t"] == "round_done":
+                if message["t"] == "inner_done":
+                    await self.release_outbox()
+                    await worker.send("outbox_free", round=message.get("round"))
+                elif message["t"] == "round_done":
                     metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
                     metrics.compute_s += float(message.get("compute_s", 0.0))
                     started = trio.current_time()
@@ -158,10 +186,14 @@ class PayloadRounds:
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
                     if metrics.rounds >= self.ctx.run.rounds:
+                        self._finished()
+                        await self.linger()
                         return
                 else:
                     raise WorkerGone(f"unexpected {message['t']!r} from the worker")
         finally:
+            with trio.CancelScope(shield=True):
+                await self.release_outbox(grace=False)
             for view in (outbox, inbox):
                 try:
                     view.release()

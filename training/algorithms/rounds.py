@@ -1,11 +1,13 @@
 """The round loop every φ/Δ algorithm shares (local, NoLoCo, DiLoCo): only the outer step differs.
 
-Each round: H inner steps, φ and Δ into the outbox (shared memory), ``round_done``; then
+Each round: H inner steps, ``inner_done`` (the daemon answers ``outbox_free`` once no peer
+still reads last round's payload), φ and Δ into the outbox (shared memory), ``round_done``; then
 the daemon's commands until ``outer_go``: DiLoCo first sends ``accumulate`` once per
 peer payload it put in the inbox (each checked like any partner payload, kept or
 refused); then the algorithm's outer step, a checkpoint, ``outer_done``.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -56,6 +58,22 @@ def resume(config: WorkerConfig, trainer: Trainer) -> None:
     logger.info("resumed from %s at round %d (step %d)", path, trainer.round, trainer.step)
 
 
+def ask_start_from(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> WorkerConfig | None:
+    """The config to resume with: asked of the daemon (``built`` → ``start``) if it says so
+    and there is no checkpoint of our own; None if the daemon said ``stop`` instead."""
+    own = config.checkpoint_path
+    if not config.ask_start_from or (own is not None and Path(own).exists()):
+        return config
+    ipc.write_blocking(replies, "built")
+    command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+    if command["t"] == "stop":
+        return None
+    path = command.get("path")
+    if command["t"] != "start" or not (path is None or isinstance(path, str)):
+        raise ipc.IpcError(f"{command['t']} (path {path!r}) while waiting to start")
+    return dataclasses.replace(config, start_from=path)
+
+
 def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
     """A late joiner: a peer's saved state (φ, outer momentum, AdamW's moments, its round;
     the run's last round if the run is over: then there is nothing left to train). Refused
@@ -104,6 +122,10 @@ def run_rounds(
     outer: OuterStep,
 ) -> None:
     """Resume, then rounds until the run's last, with shared-memory out- and inboxes."""
+    asked = ask_start_from(config, commands, replies)
+    if asked is None:
+        return
+    config = asked
     resume(config, trainer)
     nbytes = trainer.payload_nbytes
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
@@ -141,6 +163,14 @@ def _rounds(
         for round_index in range(trainer.round, config.run.rounds):
             started = time.perf_counter()
             train_loss = trainer.inner_steps()
+            # The outbox may still be read by a peer pulling last round's payload: the
+            # daemon says when it is ours to overwrite.
+            ipc.write_blocking(replies, "inner_done", round=round_index)
+            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+            if command["t"] == "stop":
+                return
+            if command["t"] != "outbox_free" or command.get("round") != round_index:
+                raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
             out_view.copy_(trainer.outer_payload())
             compute_s = time.perf_counter() - started
             val_loss = trainer.val_loss()
