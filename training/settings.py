@@ -20,15 +20,15 @@ from typing import Any
 
 import msgpack
 
-from training import algorithms
+from training import algorithms, encodings
 
 # "none": the run trains nothing (its nodes form the network only); the others are the
 # registry's (training/algorithms/).
 ALGORITHMS = ("none", *algorithms.NAMES)
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
 MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
-# Outer payload encodings (training/trainer.py has the wire layout).
-COMPRESSIONS = ("none", "int8")
+# Outer payload encodings: the registry's (training/encodings/).
+COMPRESSIONS = encodings.NAMES
 # Far above any settings blob (a few hundred bytes): bounds what a manifest can make us decode.
 MAX_ENCODED_NBYTES = 4096
 

@@ -6,16 +6,10 @@ outer step of its algorithm (``apply_noloco``, ``apply_diloco``, ``apply_local``
 checked before anything changes: wrong size, or any NaN/Inf, and the round falls back to
 the no-partner step, so bad input never reaches the weights.
 
-Wire layout of the payload (bytes, little-endian), n = 2 × parameter count:
-
-    compression "none": φ then Δ as float32                         4·n bytes
-    compression "int8": int8 codes of φ|Δ, then float32 block scales, n + 4·Σ⌈n_k / 256⌉ bytes
-                        (training/quantize.py, blocks per tensor k so a LayerNorm weight
-                        near 1 never sets the step of an embedding near 0.02; ≈ 3.9× fewer)
-
-Both partners must use the same compression (the sizes differ, so pairing refuses a
-mismatch). With int8 each side averages the dequantized values of both payloads: what it
-sent is kept (``sent``) and stands in for its own φ and Δ in the outer step.
+The payload is φ then Δ, each parameter a piece, encoded by the run's ``compression``
+(training/encodings/: "none" float32, 4 bytes a value; "int8" blockwise, ≈ 3.9× fewer).
+With a lossy encoding each side averages the decoded values of both payloads: what it sent
+is kept (``sent``) and stands in for its own φ and Δ in the outer step.
 """
 
 import math
@@ -25,6 +19,7 @@ import torch
 
 from training.checkpoint import CheckpointError
 from training.data import Shard
+from training.encodings import encoding
 from training.models import GPT
 from training.noloco import (
     Params,
@@ -36,8 +31,7 @@ from training.noloco import (
     noloco_step,
     outer_gradient,
 )
-from training.quantize import BLOCK, dequantize, quantize
-from training.settings import COMPRESSIONS, InnerConfig, OuterConfig
+from training.settings import InnerConfig, OuterConfig
 
 
 class PayloadRejected(ValueError):
@@ -58,8 +52,7 @@ class Trainer:
         compile_model: bool = False,
         bounds: PartnerBounds | None = None,
     ) -> None:
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+        self.encoding = encoding(compression)
         self.device = torch.device(device)
         self.model = model.to(self.device)
         # torch.compile pays off on CUDA (fused kernels); on a CPU and a small model it
@@ -77,14 +70,10 @@ class Trainer:
         self.phi = [p.detach().clone() for p in self._params]
         self.momentum = [torch.zeros_like(p) for p in self._params]
         self.optimizer = torch.optim.AdamW(self._params, lr=inner.lr, weight_decay=inner.weight_decay)
-        self.compression = compression
         self.payload_numel = 2 * sum(p.numel() for p in self._params)
         """Values in a payload: φ and Δ."""
         self._numels = [p.numel() for p in self._params] * 2
-        self._blocks = [-(-n // BLOCK) for n in self._numels]
-        self.payload_nbytes = (
-            4 * self.payload_numel if compression == "none" else self.payload_numel + 4 * sum(self._blocks)
-        )
+        self.payload_nbytes = self.encoding.nbytes(self._numels)
         """Bytes of a payload on the wire."""
         self._sent: PeerTensors | None = None
         self.bounds = bounds or PartnerBounds()
@@ -125,14 +114,9 @@ class Trainer:
         """φ then Δ as wire bytes (uint8, ``payload_nbytes``): what a partner needs from us."""
         delta = outer_gradient(self.phi, self.theta())
         flat = torch.cat([t.reshape(-1) for t in (*self.phi, *delta)]).to(torch.float32)
-        if self.compression == "none":
-            self._sent = None
-            return flat.cpu().view(torch.uint8)
-        pieces = [quantize(part) for part in torch.split(flat, self._numels)]
-        codes = torch.cat([c for c, _ in pieces])
-        scales = torch.cat([s for _, s in pieces])
-        self._sent = self._split(torch.cat([dequantize(c, s) for c, s in pieces]))
-        return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]).cpu()
+        wire, seen = self.encoding.encode(flat, self._numels)
+        self._sent = None if seen is None else self._split(seen)
+        return wire
 
     def parse_payload(self, wire: torch.Tensor) -> PeerTensors:
         """A partner's wire bytes as tensors shaped like ours; ``PayloadRejected`` if unusable."""
@@ -141,15 +125,10 @@ class Trainer:
                 f"payload is {wire.dtype} × {tuple(wire.shape)}, expected uint8 × ({self.payload_nbytes},)"
             )
         wire = wire.to(self.device, copy=True)  # aligned, and the caller's buffer is never kept
-        if self.compression == "none":
-            flat = wire.view(torch.float32)
-        else:
-            codes = torch.split(wire[: self.payload_numel].view(torch.int8), self._numels)
-            scales = torch.split(wire[self.payload_numel :].clone().view(torch.float32), self._blocks)  # aligned
-            try:
-                flat = torch.cat([dequantize(c, s) for c, s in zip(codes, scales, strict=True)])
-            except ValueError as exc:
-                raise PayloadRejected(str(exc)) from exc
+        try:
+            flat = self.encoding.decode(wire, self._numels)
+        except ValueError as exc:
+            raise PayloadRejected(str(exc)) from exc
         if not bool(torch.isfinite(flat).all()):
             raise PayloadRejected("payload holds NaN or Inf")
         peer = self._split(flat)
@@ -191,7 +170,7 @@ class Trainer:
             except PayloadRejected as exc:
                 self.last_rejection = str(exc)
                 peer = None
-        if peer is not None and self.compression != "none" and self._sent is None:
+        if peer is not None and self.encoding.lossy and self._sent is None:
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
         phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
         if peer is not None and not all(bool(torch.isfinite(t).all()) for t in phi):
