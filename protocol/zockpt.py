@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
@@ -47,6 +47,10 @@ HEADER_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 600.0
 MAX_PEERS_IN_VECTOR = 4096
 HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+LAZY = ""
+"""An offer's ``sha256`` (and ``param_hash``) not computed yet: on the first request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,9 @@ class ZoCheckpoints:
         self._max_nbytes = max_nbytes
         self._protocol_id = protocol_id
         self.offer: Offer | None = None
-        """What we serve: set by the ZO rounds after the worker saved a checkpoint."""
+        """What we serve: set by the ZO rounds after the worker saved a checkpoint (its
+        hashes may be ``LAZY``: computed when a peer first asks, once)."""
+        self._hashing = trio.Lock()
 
     def register(self) -> None:
         self._host.set_handler(self._protocol_id, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
@@ -156,10 +162,28 @@ class ZoCheckpoints:
             with contextlib.suppress(FileNotFoundError):
                 await trio.Path(partial).unlink()
 
+    async def _resolved(self) -> Offer | None:
+        """The current offer with its hashes (a lazy one is hashed now, once)."""
+        async with self._hashing:
+            offer = self.offer
+            if offer is None or offer.sha256 != LAZY:
+                return offer
+            sha256 = await file_sha256(offer.path)
+            resolved = replace(
+                offer, sha256=sha256, param_hash=sha256 if offer.param_hash == LAZY else offer.param_hash
+            )
+            if self.offer is offer:  # not replaced by a newer one meanwhile
+                self.offer = resolved
+            return resolved
+
     async def _serve(self, stream: Stream) -> None:
         with trio.fail_after(HEADER_TIMEOUT_S):
             request = await wire.receive(stream, msg_types=frozenset({"ckpt?"}), version=VERSION, max_nbytes=4096)
-        offer = self.offer
+        try:
+            offer = await self._resolved()
+        except OSError as exc:  # the file went (a newer round replaced it): nothing to offer now
+            logger.info("our checkpoint offer is gone: %s", exc)
+            offer = None
         refusal = self._host.tensor_refusal(stream.peer_id)
         if refusal is not None:
             logger.info("no checkpoint for %s: %s", stream.peer_id, refusal)

@@ -57,3 +57,35 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(short_t
         assert len(status["loss_curve"]) == ROUNDS - status["start_round"]
         fresh = first[0].training.metrics.loss_curve[0][1] if first[0].training else 0.0
         assert status["loss_curve"][0][1] < fresh
+
+
+@pytest.mark.integration
+async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_path: Path) -> None:
+    """Offering after every round costs a hard link; the sha256 (seconds for a state of
+    gigabytes) is computed when a joiner first asks, and its fetch checks it."""
+    import hashlib
+
+    import trio
+
+    from node.algorithms.joining import StateOffers
+    from protocol import zockpt
+    from protocol.host import open_host, parse_dial_addr
+
+    saved = tmp_path / "worker.ckpt"
+    saved.write_bytes(b"state of round 4 " * 1000)
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as b,
+    ):
+        (tmp_path / "a").mkdir()
+        offers = StateOffers(a, "run", tmp_path / "a")
+        offers.register()
+        await offers.offer(saved, 4)
+        assert offers.service.offer is not None and offers.service.offer.sha256 == zockpt.LAZY
+        await b.connect(parse_dial_addr(a.addrs()[0]), timeout_s=5)
+        joiner = StateOffers(b, "run", None)
+        dest = tmp_path / "joined.ckpt"
+        with trio.fail_after(60):
+            assert await joiner.join([a.peer_id], dest, last_round=4) == dest  # the run's last: no wait
+        assert dest.read_bytes() == saved.read_bytes()
+        assert offers.service.offer.sha256 == hashlib.sha256(saved.read_bytes()).hexdigest()

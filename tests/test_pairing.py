@@ -159,3 +159,68 @@ async def test_a_payload_that_beats_its_accept_is_kept() -> None:
     assert pairing._round.early == data and not pairing._round.received
     await pairing.accept_payload("someone-else", Payload(0, (TensorSpec(PAYLOAD_NAME, "uint8", (NBYTES,)),), data))
     assert bytes(inbox) == bytes(NBYTES)  # a stranger's payload is not taken
+
+
+async def test_a_pull_accepted_while_the_outbox_is_being_freed_is_waited_for(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's outbox_free comes while our "accept" to a puller is still being written:
+    that pull's send must end before the worker may overwrite the outbox."""
+    from protocol import pairing as pairing_module
+
+    events: list[object] = []
+
+    async def records(host: object, peer_id: str, payload: object, **kwargs: object) -> None:
+        events.append(("sent", bytes(payload.data[:1])))  # type: ignore[attr-defined]
+
+    class SlowAsked:
+        peer_id = "puller"
+        release = trio.Event()
+
+        async def write(self, data: bytes) -> None:
+            await self.release.wait()
+
+    async def close(pairing: Pairing) -> None:
+        await pairing.close_pulls()
+        events.append("closed")
+
+    monkeypatch.setattr(pairing_module, "send_tensors", records)
+    pairing = Pairing(None, send_timeout_s=600, is_member=lambda _: True)  # type: ignore[arg-type]  # not used here
+    asked = SlowAsked()
+    async with trio.open_nursery() as nursery:
+        pairing._nursery = nursery
+        pairing._pulls = pairing_module._Pulls(0, memoryview(bytearray(b"\x01" * NBYTES)))
+        nursery.start_soon(pairing._answer_pull, asked, 0, NBYTES)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(close, pairing)
+        await trio.testing.wait_all_tasks_blocked()
+        assert events == []  # still writing the accept: the outbox is not free yet
+        asked.release.set()
+    assert events == [("sent", b"\x01"), "closed"]
+
+
+def test_the_backoff_after_a_busy_asker_grows_with_how_long_questions_take() -> None:
+    """On an idle machine the pause stays a sweep's; when a question takes seconds, a node
+    backs off ~3 questions on average, so it asks about a quarter of its time at a boundary
+    and a peer it asks is rarely itself asking (the livelock the soak showed)."""
+    from protocol.pairing import BACKOFF_TIMES_ASK, RETRY_PAUSE_S, backoff_s
+
+    assert backoff_s(0.005, 0.0) == RETRY_PAUSE_S[0] and backoff_s(0.005, 1.0) == RETRY_PAUSE_S[1]
+    ask_s = 2.0
+    mean = (backoff_s(ask_s, 0.0) + backoff_s(ask_s, 1.0)) / 2  # linear in the draw
+    assert mean >= BACKOFF_TIMES_ASK / 2 * ask_s
+    assert ask_s / (ask_s + mean) <= 0.25
+
+
+async def test_a_peer_still_computing_does_not_keep_us_from_pulling_before_the_bound_ends() -> None:
+    """d never reaches the round ("later": computing), so c would ask it until its bound ran
+    out and go alone; the end of the bound is kept for a pull from a peer past the round."""
+    async with nodes(4) as group:
+        (a, pa), (b, pb), (_, pc), (d, _) = group
+        box = {i: (memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))) for i in range(3)}
+        async with trio.open_nursery() as nursery:  # a and b pair for round 0 and move on
+            nursery.start_soon(lambda: pa.find_partner(0, *box[0], [b.peer_id], timeout_s=20))
+            nursery.start_soon(lambda: pb.find_partner(0, *box[1], [a.peer_id], timeout_s=20))
+        with trio.fail_after(60):
+            pulled = await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id, d.peer_id], timeout_s=8)
+        assert pulled in (a.peer_id, b.peer_id) and pc.last_pulled

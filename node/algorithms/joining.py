@@ -82,11 +82,11 @@ class StateOffers:
                 await trio.Path(path).unlink()
             await trio.to_thread.run_sync(os.link, saved, path)
             nbytes = (await trio.Path(path).stat()).st_size
-            sha256 = await zockpt.file_sha256(path)
         except OSError as exc:
             logger.info("not offering our state of round %d: %s", round_index, exc)
             return
-        self.service.offer = zockpt.Offer(round_index, {}, sha256, path, nbytes, sha256)
+        # Hashed when a joiner first asks (a state of gigabytes every round would cost seconds).
+        self.service.offer = zockpt.Offer(round_index, {}, zockpt.LAZY, path, nbytes, zockpt.LAZY)
         self._offered.append(path)
         while len(self._offered) > KEEP_OFFERED:  # one being served may still be open: keep the previous one
             with contextlib.suppress(FileNotFoundError):
