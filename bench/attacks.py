@@ -16,11 +16,10 @@ import numpy as np
 import trio
 
 from node.algorithms.noloco import Noloco
-from node.algorithms.zo import Zo
-from node.algorithms.zo_rounds import ZoRounds
+from node.algorithms.noloco.pairing import Pairing
+from node.algorithms.zo import Zo, zolog
+from node.algorithms.zo.rounds import ZoRounds
 from node.daemon import Daemon
-from protocol import zolog
-from protocol.pairing import Pairing
 
 
 async def pairing_of(daemon: Daemon) -> Pairing:

@@ -2,7 +2,7 @@
 
 Each side is its own process (as two nodes would be). Measures the exchange protocol with
 its bytes on the libp2p stream (Noise + Yamux) and on the direct data channel
-(protocol/data_channel.py), and plain trio TCP as the baseline. Prints one JSON object;
+(protocol/net/data_channel.py), and plain trio TCP as the baseline. Prints one JSON object;
 the issue's target is exchange ≥ 50% of raw TCP.
 
     python bench/exchange_throughput.py [--mib 256] [--repeats 2]
@@ -22,9 +22,9 @@ logging.getLogger("libp2p").addHandler(logging.NullHandler())
 
 
 def _exchange_receiver(addr_queue: "multiprocessing.Queue[str]", done_queue: "multiprocessing.Queue[int]") -> None:
-    from protocol.data_channel import DataChannel
-    from protocol.exchange import Payload, TensorReceiver, any_transfer
-    from protocol.host import open_host
+    from protocol.net.data_channel import DataChannel
+    from protocol.net.exchange import Payload, TensorReceiver, any_transfer
+    from protocol.net.host import open_host
 
     async def main() -> None:
         async with open_host(
@@ -62,8 +62,8 @@ def _tcp_receiver(port_queue: "multiprocessing.Queue[int]") -> None:
 
 
 async def _send_exchange(addr: str, data: bytes, done_queue: "multiprocessing.Queue[int]", direct: bool) -> float:
-    from protocol.exchange import Payload, TensorSpec, send_tensors
-    from protocol.host import open_host, parse_dial_addr
+    from protocol.net.exchange import Payload, TensorSpec, send_tensors
+    from protocol.net.host import open_host, parse_dial_addr
 
     async with open_host(identity_seed=b"\x01" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as host:
         target = parse_dial_addr(addr)

@@ -49,24 +49,15 @@ import trio
 from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from pycrdt import Doc
 
-from protocol import (
-    crdt_check,
-    dialback,
-    exchange,
-    gossip,
-    info,
-    keys,
-    libp2p_fixes,
-    nat,
-    upnp,
-    wire,
-    zockpt,
-    zolog,
-    zosync,
-)
-from protocol import host as host_module
+from node.algorithms import savedstate
+from node.algorithms.zo import zolog, zosync
+from node.versions import our_versions
+from protocol import keys, wire
 from protocol.errors import BadMessage, DialError, ProtocolError
-from protocol.state import MAX_UPDATE_STRUCTS, Manifest, MemberRecord, RunState, sign_member
+from protocol.net import dialback, exchange, gossip, libp2p_fixes, nat, upnp
+from protocol.net import host as host_module
+from protocol.runstate import crdt_check, info
+from protocol.runstate.state import MAX_UPDATE_STRUCTS, Manifest, MemberRecord, RunState, sign_member
 from training import checkpoint, ipc, settings
 from training import data as token_data
 from training.models import GPT, GPTConfig
@@ -212,7 +203,7 @@ def run_one(target: Target, data: bytes) -> Verdict:
 
 
 class _RawStream:
-    """What protocol.host.Stream needs of a libp2p stream: the peer's bytes, then EOF."""
+    """What protocol.net.host.Stream needs of a libp2p stream: the peer's bytes, then EOF."""
 
     def __init__(self, incoming: bytes) -> None:
         self._incoming = incoming
@@ -237,7 +228,7 @@ class _RawStream:
 
 
 class _FakeHost:
-    """The parts of protocol.host.Host the handlers under test touch: one stream to a peer
+    """The parts of protocol.net.host.Host the handlers under test touch: one stream to a peer
     that sends ``incoming``; no direct IP (nothing gets dialed); judging does nothing."""
 
     def __init__(self, incoming: bytes) -> None:
@@ -893,7 +884,7 @@ async def _accept_nothing(peer_id: str, payload: exchange.Payload) -> None:
 def _info_seeds() -> list[bytes]:
     fields = {"peer_id": PEER_A, "role": "trainer", "runs": [RUN], "agent": "swarmtrain/0.1.0"}
     return [
-        _frame("info", info.VERSION, {**fields, "versions": info.our_versions()}),
+        _frame("info", info.VERSION, {**fields, "versions": our_versions()}),
         _frame("info", info.VERSION, {**fields, "runs": []}),
     ]
 
@@ -938,7 +929,7 @@ def _zockpt_seeds() -> list[bytes]:
     body = bytes(range(100))
     header = {"round": 5, "vector": {PEER_A: 3, PEER_B: 1}, "param_hash": "ab" * 32, "nbytes": len(body)}
     header["sha256"] = hashlib.sha256(body).hexdigest()
-    return [_frame("ckpt", zockpt.VERSION, header) + body, _frame("none", zockpt.VERSION, {})]
+    return [_frame("ckpt", savedstate.VERSION, header) + body, _frame("none", savedstate.VERSION, {})]
 
 
 @cache
@@ -950,7 +941,7 @@ def _scratch_dir() -> Path:
 
 
 def _zockpt_fetch(raw: bytes) -> object:
-    checkpoints = zockpt.ZoCheckpoints(_FakeHost(raw), RUN, max_nbytes=1 << 16)  # type: ignore[arg-type]
+    checkpoints = savedstate.ZoCheckpoints(_FakeHost(raw), RUN, max_nbytes=1 << 16)  # type: ignore[arg-type]
     return _run(checkpoints.fetch, PEER_X, _scratch_dir() / "fetched.ckpt")
 
 
@@ -1188,20 +1179,25 @@ def _targets() -> list[Target]:
             _wire_receive,
             protocol_refusal,
             lambda: [wire.frame(m) for m in _wire_seeds()],
-            "protocol/wire.py read_frame + decode over protocol.host.Stream",
+            "protocol/wire.py read_frame + decode over protocol.net.host.Stream",
             FRAME,
         ),
         Target("wire_fields", _wire_fields, (BadMessage,), _fields_seeds, "protocol/wire.py get_* helpers", WHOLE),
-        Target("gossip_decode", gossip.decode, (BadMessage,), _gossip_seeds, "protocol/gossip.py decode", WHOLE),
+        Target("gossip_decode", gossip.decode, (BadMessage,), _gossip_seeds, "protocol/net/gossip.py decode", WHOLE),
         Target(
-            "zolog_decode_batch", _decode_batch, (BadMessage,), _batch_seeds, "protocol/zolog.py decode_batch", WHOLE
+            "zolog_decode_batch",
+            _decode_batch,
+            (BadMessage,),
+            _batch_seeds,
+            "node/algorithms/zo/zolog.py decode_batch",
+            WHOLE,
         ),
         Target(
             "zolog_signed_batch_add",
             _signed_batch_into_log,
             protocol_refusal,
             _batch_seeds,
-            "protocol/zolog.py decode_batch + UpdateLog.add, the batch re-signed by its author",
+            "node/algorithms/zo/zolog.py decode_batch + UpdateLog.add, the batch re-signed by its author",
             WHOLE,
         ),
         Target(
@@ -1209,21 +1205,21 @@ def _targets() -> list[Target]:
             _check_update,
             (BadMessage,),
             lambda: _update_seeds() + _hostile_updates(),
-            "protocol/crdt_check.py check_update",
+            "protocol/runstate/crdt_check.py check_update",
         ),
         Target(
             "crdt_check_state_vector",
             crdt_check.check_state_vector,
             (BadMessage,),
             _state_vector_seeds,
-            "protocol/crdt_check.py check_state_vector",
+            "protocol/runstate/crdt_check.py check_state_vector",
         ),
         Target(
             "state_apply_remote",
             _apply_remote,
             protocol_refusal,
             lambda: _update_seeds() + _hostile_updates()[:24],
-            "protocol/state.py RunState.apply_remote on the base document (child processes)",
+            "protocol/runstate/state.py RunState.apply_remote on the base document (child processes)",
             isolate=True,
         ),
         Target(
@@ -1231,7 +1227,7 @@ def _targets() -> list[Target]:
             _state_diff,
             protocol_refusal,
             _state_vector_seeds,
-            "protocol/state.py RunState.diff of a peer's state vector (child processes)",
+            "protocol/runstate/state.py RunState.diff of a peer's state vector (child processes)",
             isolate=True,
         ),
         Target(
@@ -1239,16 +1235,16 @@ def _targets() -> list[Target]:
             _exchange_receive,
             protocol_refusal,
             _exchange_seeds,
-            "protocol/exchange.py TensorReceiver._receive (_parse_specs, header checks, payload hash)",
+            "protocol/net/exchange.py TensorReceiver._receive (_parse_specs, header checks, payload hash)",
             EXCHANGE,
         ),
-        Target("info_ask", _info_ask, protocol_refusal, _info_seeds, "protocol/info.py ask_info reply", FRAME),
+        Target("info_ask", _info_ask, protocol_refusal, _info_seeds, "protocol/runstate/info.py ask_info reply", FRAME),
         Target(
             "dialback_ask",
             _dialback_ask,
             (_NoVerdict,),
             _dialback_answer_seeds,
-            "protocol/dialback.py ask: the answer (None when malformed)",
+            "protocol/net/dialback.py ask: the answer (None when malformed)",
             FRAME,
         ),
         Target(
@@ -1256,16 +1252,23 @@ def _targets() -> list[Target]:
             _dialback_serve,
             protocol_refusal,
             _dialback_request_seeds,
-            "protocol/dialback.py DialbackServer._serve: the request",
+            "protocol/net/dialback.py DialbackServer._serve: the request",
             FRAME,
         ),
-        Target("zockpt_fetch", _zockpt_fetch, protocol_refusal, _zockpt_seeds, "protocol/zockpt.py fetch", ZOCKPT),
+        Target(
+            "zockpt_fetch",
+            _zockpt_fetch,
+            protocol_refusal,
+            _zockpt_seeds,
+            "node/algorithms/savedstate.py fetch",
+            ZOCKPT,
+        ),
         Target(
             "zosync_pull",
             _zosync_pull,
             protocol_refusal,
             _zosync_pull_seeds,
-            "protocol/zosync.py _pull_once: the batches reply",
+            "node/algorithms/zo/zosync.py _pull_once: the batches reply",
             FRAME,
         ),
         Target(
@@ -1273,7 +1276,7 @@ def _targets() -> list[Target]:
             _zosync_serve,
             protocol_refusal,
             _zosync_serve_seeds,
-            "protocol/zosync.py _serve: the want request",
+            "node/algorithms/zo/zosync.py _serve: the want request",
             FRAME,
         ),
         Target(
@@ -1281,7 +1284,7 @@ def _targets() -> list[Target]:
             _multiselect_read,
             (MultiselectCommunicatorError,),
             _multiselect_seeds,
-            "protocol/libp2p_fixes.py _multiselect_read",
+            "protocol/net/libp2p_fixes.py _multiselect_read",
             tokens=(b"\n", b"\xff", b"\xc3\xa9", b"\xed\xa0\x80", b"\x80" * 9 + b"\x01"),
         ),
         Target(
@@ -1315,7 +1318,7 @@ def _targets() -> list[Target]:
             _upnp_description,
             (upnp.UpnpError,),
             _upnp_description_seeds,
-            "protocol/upnp.py parse_description (the gateway's XML)",
+            "protocol/net/upnp.py parse_description (the gateway's XML)",
             tokens=URL_TOKENS + XML_TOKENS,
             ours=False,
         ),
@@ -1324,7 +1327,7 @@ def _targets() -> list[Target]:
             _ssdp_answer,
             (_NoLocation,),
             _ssdp_seeds,
-            "protocol/upnp.py location_of: reading an SSDP answer",
+            "protocol/net/upnp.py location_of: reading an SSDP answer",
             tokens=(*URL_TOKENS, b"\r\n", b"LOCATION:", b"location: ", b":"),
             ours=False,
         ),
@@ -1333,7 +1336,7 @@ def _targets() -> list[Target]:
             _member_addr,
             (DialError,),
             _member_addr_seeds,
-            "protocol/host.py connect + protocol/nat.py dial_circuit: a member record's address",
+            "protocol/net/host.py connect + protocol/net/nat.py dial_circuit: a member record's address",
             tokens=MULTIADDR_TOKENS,
             ours=False,
         ),

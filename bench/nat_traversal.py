@@ -1,6 +1,6 @@
 """How many node pairs end up direct behind NATs, and how soon (needs root: network namespaces).
 
-Runs ``swarmtrain simulate --topology nat`` (node/netbed.py: a public bootstrap/relay node,
+Runs ``swarmtrain simulate --topology nat`` (node/simulate/netbed.py: a public bootstrap/relay node,
 each daemon behind its own nftables NAT; endpoint-independent "cone" NATs unless
 ``--symmetric-nats``) and, as the baseline in the same run, ``--topology loopback`` with
 the same number of nodes. Prints one JSON object:

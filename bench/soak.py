@@ -34,8 +34,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node import api
-from node.children import Child, start_forkserver
 from node.errors import ApiError
+from node.simulate.children import Child, start_forkserver
 
 POLL_S = 2.0
 API_WAIT_S = 120.0
@@ -122,7 +122,7 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
     def make(name: str, flags: list[str]) -> Node:
         data_dir = base / name
         data_dir.mkdir(mode=0o700)
-        argv = ["node", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"]
+        argv = ["--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--stop-on-stdin-eof"]
         liveness = ["--heartbeat-s", str(args.heartbeat_s), "--peer-ttl-s", str(args.peer_ttl_s)]
         return Node(name, data_dir, [*argv, *liveness, "--log-level", args.log_level, *flags])
 

@@ -45,10 +45,10 @@ def _node(
 ) -> None:
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (py-libp2p print()s its shutdown noise)
     from node.algorithms.diloco import DilocoExchange
-    from protocol.data_channel import DataChannel
-    from protocol.exchange import TensorReceiver
-    from protocol.host import open_host, parse_dial_addr
-    from protocol.pairing import Pairing
+    from node.algorithms.noloco.pairing import Pairing
+    from protocol.net.data_channel import DataChannel
+    from protocol.net.exchange import TensorReceiver
+    from protocol.net.host import open_host, parse_dial_addr
     from protocol.ratelimit import RateLimit
 
     async def main() -> None:

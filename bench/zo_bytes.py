@@ -1,7 +1,7 @@
 """Bytes per zeroth-order update: the signed batch alone, and on the wire with everything.
 
 For H updates per batch (one batch per node and round), prints per update:
-- ``payload``: the msgpack batch (protocol/zolog.py), before any framing;
+- ``payload``: the msgpack batch (node/algorithms/zo/zolog.py), before any framing;
 - ``gossip_wire`` and ``pull_wire``: TCP payload bytes the sender's socket actually wrote
   to deliver the batches by gossip, and by a pull, between two real libp2p hosts on
   loopback (our frame, GossipSub's signed message, Yamux, Noise), with the same idle
@@ -18,8 +18,9 @@ import logging
 
 import trio
 
-from protocol import gossip, zolog, zosync
-from protocol.host import open_host, parse_dial_addr
+from node.algorithms.zo import zolog, zosync
+from protocol.net import gossip
+from protocol.net.host import open_host, parse_dial_addr
 
 logging.getLogger("libp2p").addHandler(logging.NullHandler())
 RUN = "bench-zo-abcdef"

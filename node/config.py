@@ -27,7 +27,7 @@ RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROLES = ("trainer", "bootstrap", "observer")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# protocol/nat.py's RELAY_MODES and FORCED_REACHABILITY; repeated so reading a config never imports libp2p.
+# protocol/net/nat.py's RELAY_MODES and FORCED_REACHABILITY; repeated so reading a config never imports libp2p.
 RELAY_MODES = ("auto", "on", "off")
 REACHABILITY_MODES = ("auto", "public", "private")
 
@@ -69,7 +69,7 @@ class NetworkConfig:
     """Tensors over relayed connections: 0 never (default: control traffic only); > 0 allowed at this cap."""
 
     def __post_init__(self) -> None:
-        from protocol.host import check_listen_addr, parse_dial_addr
+        from protocol.net.host import check_listen_addr, parse_dial_addr
 
         if not self.listen:
             raise ConfigError("network.listen: at least one address is needed")

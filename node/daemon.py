@@ -20,14 +20,15 @@ from node.device import detect_device, total_memory_nbytes
 from node.errors import NodeError
 from node.logs import short_peer
 from node.training import TrainingService
-from protocol.discovery import Discovery
+from node.versions import our_versions
 from protocol.errors import BadMessage, ProtocolError
-from protocol.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
-from protocol.info import NodeInfo, ask_info, our_versions, serve_info
-from protocol.nat import NatPolicy
-from protocol.peers import PeerTable
-from protocol.run import RunService
-from protocol.state import MAX_ADDRS, Manifest, MemberRecord, RunState, sign_member
+from protocol.net.discovery import Discovery
+from protocol.net.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
+from protocol.net.nat import NatPolicy
+from protocol.net.peers import PeerTable
+from protocol.runstate.info import NodeInfo, ask_info, serve_info
+from protocol.runstate.run import RunService
+from protocol.runstate.state import MAX_ADDRS, Manifest, MemberRecord, RunState, sign_member
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -20,11 +20,11 @@ import trio
 from node import algorithms
 from node.algorithms import Algorithm, Context, TrainingMetrics
 from node.config import TrainingConfig
-from protocol.host import Host
-from protocol.peers import PeerTable
+from protocol.net.host import Host
+from protocol.net.peers import PeerTable
 from protocol.ratelimit import RateLimit
-from protocol.run import RunService
-from protocol.state import Manifest, RunState
+from protocol.runstate.run import RunService
+from protocol.runstate.state import Manifest, RunState
 from training import settings
 from training.settings import RunSettings
 from training.worker_config import WorkerConfig

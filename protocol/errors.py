@@ -7,7 +7,7 @@
         │                         wrong version, invalid content); the peer gets penalized
         └── UnsupportedVersion    a well-formed message of a protocol version we don't speak
 
-libp2p's own exceptions never leave protocol/host.py: they are mapped to these there.
+libp2p's own exceptions never leave protocol/net/host.py: they are mapped to these there.
 """
 
 

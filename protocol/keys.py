@@ -3,7 +3,7 @@
 A node's identity is an ed25519 seed (node/identity.py); its libp2p peer id is the
 identity multihash of its public key, so the key can be read back out of the id, and a
 record signed by a node can be checked without asking anyone. Used for member records and
-the manifest (protocol/state.py) and for ZO log batches (protocol/zolog.py).
+the manifest (protocol/runstate/state.py) and for ZO log batches (node/algorithms/zo/zolog.py).
 
 A signature covers ``msgpack([domain, *fields])``: the domain names what is signed and its
 format version ("swarmtrain/member/1"), so a signature made for one purpose never passes

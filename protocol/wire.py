@@ -22,7 +22,7 @@ MAX_FRAME_NBYTES = 8 << 20
 
 
 class ByteStream(Protocol):
-    """What framing needs of a stream (protocol.host.Stream, or an in-memory fake in tests)."""
+    """What framing needs of a stream (protocol.net.host.Stream, or an in-memory fake in tests)."""
 
     async def read_exact(self, nbytes: int) -> bytes: ...
 

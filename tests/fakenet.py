@@ -1,8 +1,8 @@
 """An in-memory network of fake hosts for protocol tests, with seeded faults.
 
-``FakeNetwork`` makes ``FakeHost``s that satisfy ``protocol.hostlike.HostLike``: streams are
+``FakeNetwork`` makes ``FakeHost``s that satisfy ``protocol.net.hostlike.HostLike``: streams are
 in-memory pipes, gossip goes straight to every other subscriber, and inbound streams are
-served in the network's nursery under the boundary rule of ``protocol.host.Host.set_handler``
+served in the network's nursery under the boundary rule of ``protocol.net.host.Host.set_handler``
 (a banned peer's stream is reset unread, a deadline, ``guard.run``). Time is trio's: under an
 autojump clock, minutes of network time take milliseconds.
 
@@ -18,7 +18,7 @@ Fault model (``Faults``), every draw from one ``random.Random(seed)``:
     corrupt    one byte of a gossip delivery or of a stream write is flipped
     partition  ``partition(group, ...)``: peers in different groups cannot reach each
                other (dials fail, streams across the cut break, gossip is not delivered)
-               until ``heal()``; a ban cuts a pair the same way (protocol/libp2p_fixes.py)
+               until ``heal()``; a ban cuts a pair the same way (protocol/net/libp2p_fixes.py)
 
 Every fate lands in ``log``: the same seed and the same sequence of calls give the same log
 (under concurrency trio's scheduler may order the calls differently from run to run).
@@ -33,12 +33,12 @@ import trio
 
 from protocol import keys
 from protocol.errors import DialError, StreamError
-from protocol.guard import Guard
-from protocol.host import HANDLER_DEADLINE_S
-from protocol.hostlike import GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
-from protocol.peers import PeerTable
+from protocol.net.guard import Guard
+from protocol.net.host import HANDLER_DEADLINE_S
+from protocol.net.hostlike import GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
+from protocol.net.peers import PeerTable
 
-# libp2p's subscription queues hold this many (protocol/host.py widens them to 4096).
+# libp2p's subscription queues hold this many (protocol/net/host.py widens them to 4096).
 GOSSIP_QUEUE_SIZE = 4096
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import trio
 
-from protocol import exchange
-from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
-from protocol.host import Host, open_host, parse_dial_addr
+from protocol.net import exchange
+from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
+from protocol.net.host import Host, open_host, parse_dial_addr
 
 LISTEN = ["/ip4/0.0.0.0/tcp/4001"]
 STEP_TIMEOUT_S = 60.0

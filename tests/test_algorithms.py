@@ -9,7 +9,7 @@ import pytest
 
 from node import algorithms as daemon_side
 from training import algorithms as worker_side
-from training import settings
+from training import settings, worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_each_algorithm_has_both_sides(name: str) -> None:
     cls = daemon_side.algorithm_class(name)
     assert callable(cls.settled) and callable(cls.train) and callable(cls.status)
     assert all(isinstance(key, str) for key in cls.REPORT_KEYS)
-    assert callable(worker_side.worker_main(name))
+    assert callable(worker.worker_main(name))
 
 
 def _imports(code: str) -> set[str]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from node import config
 from node.cli import main
 from node.errors import ConfigError
-from protocol.host import parse_dial_addr
+from protocol.net.host import parse_dial_addr
 
 PEER = "12D3KooWRQR6dEJXaYFpJcVNJ2gCWNScK5th5Cp4oFTyJnM2bvKx"
 
@@ -125,7 +125,7 @@ def test_the_shipped_example_config_is_valid() -> None:
 
 
 def test_nat_modes_match_the_protocol() -> None:
-    from protocol import nat
+    from protocol.net import nat
 
     assert config.RELAY_MODES == nat.RELAY_MODES and config.REACHABILITY_MODES == nat.FORCED_REACHABILITY
 

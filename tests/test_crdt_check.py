@@ -1,4 +1,4 @@
-"""The strict CRDT reader (protocol/crdt_check.py): what we write passes, what yrs trips on does not.
+"""The strict CRDT reader (protocol/runstate/crdt_check.py): what we write passes, what yrs trips on does not.
 
 The hostile vectors (tests/vectors/crdt_hostile_v1.json) panicked, segfaulted, hung or
 poisoned pycrdt 0.14.13 when applied on top of a run document. A segfault cannot be
@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycrdt import Array, Doc, Map, Text
 
-from protocol import crdt_check
 from protocol.errors import BadMessage
-from protocol.state import MAX_UPDATE_STRUCTS, Manifest, RunState
+from protocol.runstate import crdt_check
+from protocol.runstate.state import MAX_UPDATE_STRUCTS, Manifest, RunState
 from tests.test_state import PEER_B, member, populated, raw
 
 VECTORS = Path(__file__).parent / "vectors" / "crdt_hostile_v1.json"
@@ -29,7 +29,7 @@ VECTORS = Path(__file__).parent / "vectors" / "crdt_hostile_v1.json"
 CHILD = """
 import json, sys
 from protocol.errors import ProtocolError
-from protocol.state import RunState
+from protocol.runstate.state import RunState
 from tests.test_state import PEER_A, populated
 results = []
 for case in json.load(open(sys.argv[1]))["cases"]:

@@ -7,11 +7,12 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from protocol import data_channel, exchange, wire
-from protocol.data_channel import DataChannel
+from protocol import wire
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
-from protocol.host import Host, open_host, parse_dial_addr
+from protocol.net import data_channel, exchange
+from protocol.net.data_channel import DataChannel
+from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
+from protocol.net.host import Host, open_host, parse_dial_addr
 
 pytestmark = pytest.mark.integration
 LIMIT = 1 << 20

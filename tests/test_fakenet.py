@@ -15,10 +15,10 @@ import trio.testing
 
 from protocol import wire
 from protocol.errors import BadMessage, DialError, StreamError
-from protocol.hostlike import HostLike, PeerAddrs, StreamLike
-from protocol.peers import BAN_POINTS, PENALTY_DECAY_S
-from protocol.run import RunService
-from protocol.state import Manifest, MemberRecord, RunState, sign_member
+from protocol.net.hostlike import HostLike, PeerAddrs, StreamLike
+from protocol.net.peers import BAN_POINTS, PENALTY_DECAY_S
+from protocol.runstate.run import RunService
+from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
 from tests.conftest import wait_until
 from tests.fakenet import Delivery, FakeHost, FakeNetwork, Faults
 

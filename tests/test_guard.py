@@ -4,8 +4,8 @@ import pytest
 import trio
 
 from protocol.errors import BadMessage, StreamError, UnsupportedVersion
-from protocol.guard import Guard, split_fatal
-from protocol.peers import BAN_POINTS, PeerTable
+from protocol.net.guard import Guard, split_fatal
+from protocol.net.peers import BAN_POINTS, PeerTable
 
 PEER = "12D3KooWRQR6dEJXaYFpJcVNJ2gCWNScK5th5Cp4oFTyJnM2bvKx"
 
@@ -94,7 +94,8 @@ async def test_the_ban_hook_runs_once_the_threshold_is_reached() -> None:
 
 
 def test_peers_compare_the_versions_that_must_match() -> None:
-    from protocol.info import NodeInfo, our_versions
+    from node.versions import our_versions
+    from protocol.runstate.info import NodeInfo
 
     ours = our_versions()
     older = NodeInfo("p", "trainer", (), "swarmtrain/0.0.9", {**ours, "run-document": 2})

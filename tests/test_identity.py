@@ -8,7 +8,7 @@ import pytest
 from node import identity
 from node.datadir import DataDir
 from node.errors import DataDirError
-from protocol.host import peer_id_from_seed
+from protocol.net.host import peer_id_from_seed
 
 
 def test_identity_is_created_private_and_reloaded(tmp_path: Path) -> None:

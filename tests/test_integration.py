@@ -6,10 +6,12 @@ import pytest
 import trio
 
 from node.daemon import Daemon
-from protocol import gossip, sync, wire
+from protocol import wire
 from protocol.errors import ProtocolError
-from protocol.host import open_host, parse_dial_addr
-from protocol.peers import BAN_POINTS
+from protocol.net import gossip
+from protocol.net.host import open_host, parse_dial_addr
+from protocol.net.peers import BAN_POINTS
+from protocol.runstate import sync
 from tests.conftest import Swarm, open_swarm, wait_until
 
 pytestmark = pytest.mark.integration

@@ -67,9 +67,9 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
 
     import trio
 
+    from node.algorithms import savedstate
     from node.algorithms.joining import StateOffers
-    from protocol import zockpt
-    from protocol.host import open_host, parse_dial_addr
+    from protocol.net.host import open_host, parse_dial_addr
 
     saved = tmp_path / "worker.ckpt"
     saved.write_bytes(b"state of round 4 " * 1000)
@@ -81,7 +81,7 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
         offers = StateOffers(a, "run", tmp_path / "a")
         offers.register()
         await offers.offer(saved, 4)
-        assert offers.service.offer is not None and offers.service.offer.sha256 == zockpt.LAZY
+        assert offers.service.offer is not None and offers.service.offer.sha256 == savedstate.LAZY
         await b.connect(parse_dial_addr(a.addrs()[0]), timeout_s=5)
         joiner = StateOffers(b, "run", None)
         dest = tmp_path / "joined.ckpt"

@@ -12,13 +12,14 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from protocol import dialback, exchange, nat, wire
+from node.algorithms.noloco.pairing import Pairing
+from protocol import wire
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
-from protocol.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
-from protocol.info import NodeInfo, ask_info, serve_info
-from protocol.pairing import Pairing
+from protocol.net import dialback, exchange, nat
+from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
+from protocol.net.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
 from protocol.ratelimit import RateLimit
+from protocol.runstate.info import NodeInfo, ask_info, serve_info
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 RELAY = nat.NatPolicy(mode="on", reachability="public", hole_punch=False)
@@ -205,7 +206,7 @@ async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[s
 
 
 def test_a_wildcard_listener_is_announced_on_this_machines_addresses_never_loopback_or_0000() -> None:
-    from protocol.host import _announce_for, _local_ipv4_addrs
+    from protocol.net.host import _announce_for, _local_ipv4_addrs
 
     announced = _announce_for(["/ip4/0.0.0.0/tcp/7400"])
     others = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")]

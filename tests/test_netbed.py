@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from node.netbed import Netbed, NetbedUnavailable, check_available
+from node.simulate.netbed import Netbed, NetbedUnavailable, check_available
 
 try:
     check_available()

@@ -1,4 +1,4 @@
-"""NAT traversal across real NATs (nftables masquerade in network namespaces, node/netbed.py).
+"""NAT traversal across real NATs (nftables masquerade in network namespaces, node/simulate/netbed.py).
 
 Two hosts behind different NATs find each other through the DHT, connect through the
 public node's relay, hole-punch, and move a tensor over the direct connection; a host
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from node.netbed import Netbed, NetbedUnavailable, check_available
+from node.simulate.netbed import Netbed, NetbedUnavailable, check_available
 
 try:
     check_available()

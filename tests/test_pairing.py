@@ -7,9 +7,9 @@ import pytest
 import trio
 import trio.testing
 
-from protocol.exchange import TensorReceiver
-from protocol.host import Host, open_host, parse_dial_addr
-from protocol.pairing import Pairing
+from node.algorithms.noloco.pairing import Pairing
+from protocol.net.exchange import TensorReceiver
+from protocol.net.host import Host, open_host, parse_dial_addr
 
 pytestmark = pytest.mark.integration
 NBYTES = 4096
@@ -111,7 +111,7 @@ async def test_a_puller_that_never_reads_holds_the_outbox_for_the_grace_only(
 ) -> None:
     """A slow or hostile puller cannot keep our worker from its next round: the pull is cut
     once the grace for the payload's size has passed."""
-    from protocol import pairing as pairing_module
+    from node.algorithms.noloco import pairing as pairing_module
 
     async def never_ends(*args: object, **kwargs: object) -> None:
         await trio.sleep_forever()
@@ -148,8 +148,8 @@ async def test_a_peer_that_is_not_at_the_boundary_is_not_waited_for() -> None:
 async def test_a_payload_that_beats_its_accept_is_kept() -> None:
     # The asked peer replies "accept" and starts sending at once; its payload can reach us
     # before we have read the "accept". It must not be dropped as "not our partner".
-    from protocol.exchange import Payload, TensorSpec
-    from protocol.pairing import PAYLOAD_NAME, _Round
+    from node.algorithms.noloco.pairing import PAYLOAD_NAME, _Round
+    from protocol.net.exchange import Payload, TensorSpec
 
     pairing = Pairing(None, send_timeout_s=1, is_member=lambda _: True)  # type: ignore[arg-type]  # the host is not used here
     inbox = memoryview(bytearray(NBYTES))
@@ -166,7 +166,7 @@ async def test_a_pull_accepted_while_the_outbox_is_being_freed_is_waited_for(
 ) -> None:
     """The worker's outbox_free comes while our "accept" to a puller is still being written:
     that pull's send must end before the worker may overwrite the outbox."""
-    from protocol import pairing as pairing_module
+    from node.algorithms.noloco import pairing as pairing_module
 
     events: list[object] = []
 
@@ -203,7 +203,7 @@ def test_the_backoff_after_a_busy_asker_grows_with_how_long_questions_take() -> 
     """On an idle machine the pause stays a sweep's; when a question takes seconds, a node
     backs off ~3 questions on average, so it asks about a quarter of its time at a boundary
     and a peer it asks is rarely itself asking (the livelock the soak showed)."""
-    from protocol.pairing import BACKOFF_TIMES_ASK, RETRY_PAUSE_S, backoff_s
+    from node.algorithms.noloco.pairing import BACKOFF_TIMES_ASK, RETRY_PAUSE_S, backoff_s
 
     assert backoff_s(0.005, 0.0) == RETRY_PAUSE_S[0] and backoff_s(0.005, 1.0) == RETRY_PAUSE_S[1]
     ask_s = 2.0

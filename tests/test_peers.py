@@ -2,7 +2,7 @@
 
 import trio
 
-from protocol.peers import BAN_POINTS, BAN_S, PENALTY_DECAY_S, PeerTable
+from protocol.net.peers import BAN_POINTS, BAN_S, PENALTY_DECAY_S, PeerTable
 
 
 async def test_peer_expires_after_ttl(autojump_clock: trio.testing.MockClock) -> None:

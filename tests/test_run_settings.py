@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from node import cli
+from node import cli, launch
 from node import config as config_module
 from node.errors import ConfigError
 from node.simulate import SimulationOptions
 from node.training import adopt
-from protocol.state import Manifest
+from protocol.runstate.state import Manifest
 from training import settings
 from training.settings import InnerConfig, OuterConfig, RunSettings, ZoConfig
 from training.worker_config import WorkerConfig
@@ -94,7 +94,7 @@ def test_toml_and_flags_reach_the_run_settings(tmp_path: Path) -> None:
     args = cli.build_parser().parse_args(
         ["node", "--config", str(toml), "--rounds", "7", "--inner-steps", "3", "--set", "outer.gamma=0.25"]
     )
-    config = cli._node_config(args)
+    config = launch.node_config(args)
     assert config.run.settings == RunSettings(
         algorithm="zo",
         rounds=7,
@@ -106,7 +106,7 @@ def test_toml_and_flags_reach_the_run_settings(tmp_path: Path) -> None:
         config_module.load(None, {"run.settings.zo.lr": -1.0})
     for bad, named in (("outer.beta", "NAME=VALUE"), ("outer.bta=1", "outer.bta"), ("rounds=many", "rounds")):
         with pytest.raises(ConfigError, match=named):
-            cli._node_config(cli.build_parser().parse_args(["node", "--set", bad]))
+            launch.node_config(cli.build_parser().parse_args(["node", "--set", bad]))
 
 
 def test_simulate_hands_every_setting_to_the_run_creator() -> None:
@@ -116,4 +116,4 @@ def test_simulate_hands_every_setting_to_the_run_creator() -> None:
     options = SimulationOptions(settings=cli._simulated_settings(args))
     assert options.settings.zo.eps == 0.002 and options.settings.inner.batch_size == 4
     node_args = cli.build_parser().parse_args(["node", *options.run_flags()])
-    assert cli._node_config(node_args).run.settings == options.settings
+    assert launch.node_config(node_args).run.settings == options.settings

@@ -11,7 +11,15 @@ from pycrdt import Array, Doc, Map, Text
 
 from protocol import keys
 from protocol.errors import BadMessage, UnsupportedVersion
-from protocol.state import FORMAT_VERSION, MAX_DOC_NBYTES, Manifest, MemberRecord, Overfull, RunState, sign_member
+from protocol.runstate.state import (
+    FORMAT_VERSION,
+    MAX_DOC_NBYTES,
+    Manifest,
+    MemberRecord,
+    Overfull,
+    RunState,
+    sign_member,
+)
 from training.settings import RunSettings
 
 RUN = "demo-abc123"

@@ -10,8 +10,8 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import nat, upnp
-from protocol.host import open_host
+from protocol.net import nat, upnp
+from protocol.net.host import open_host
 
 DESCRIPTION = b"""<?xml version="1.0"?>
 <root xmlns="urn:schemas-upnp-org:device-1-0"><device><deviceList><device><deviceList><device>
@@ -140,7 +140,7 @@ def test_any_description_parses_or_is_a_upnp_error(data: bytes) -> None:
 def test_malformed_gateway_urls_are_upnp_errors_not_crashes() -> None:
     """Anyone on the LAN may answer SSDP: urllib's ValueError on a bad [IPv6] host or port
     once escaped upnp's loop and ended the daemon (found by bench/fuzz.py)."""
-    from protocol import upnp
+    from protocol.net import upnp
 
     assert upnp.location_of(b"HTTP/1.1 200 OK\r\nLOCATION: http://[fe80::1/desc.xml\r\n\r\n") is None
     assert upnp.location_of(b"HTTP/1.1 200 OK\r\nLOCATION: http://192.168.1.1:99999/d.xml\r\n\r\n") is None

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import gossip, wire
+from protocol import wire
 from protocol.errors import BadMessage, ProtocolError, UnsupportedVersion
+from protocol.net import gossip
 
 
 class MemoryStream:

@@ -7,10 +7,11 @@ from typing import Any
 import trio
 import trio.testing
 
-from node.algorithms import zo_rounds as zo_module
-from node.algorithms.zo_journal import Journal
-from node.algorithms.zo_rounds import ZoRounds
-from protocol import zockpt, zolog
+from node.algorithms import savedstate
+from node.algorithms.zo import rounds as zo_module
+from node.algorithms.zo import zolog
+from node.algorithms.zo.journal import Journal
+from node.algorithms.zo.rounds import ZoRounds
 
 RUN = "zo-run-abcdef"
 SEEDS = [bytes([i + 1]) * 32 for i in range(3)]
@@ -87,7 +88,7 @@ async def test_an_author_excluded_after_its_entries_were_applied_rebuilds_withou
 
 
 def test_outvoted_only_by_a_majority_of_at_least_two() -> None:
-    from node.algorithms.zo_rounds import outvoted
+    from node.algorithms.zo.rounds import outvoted
 
     assert outvoted("ours", {}) is None
     assert outvoted("ours", {"p": "theirs"}) is None  # one peer against us: no verdict
@@ -100,12 +101,12 @@ def test_outvoted_only_by_a_majority_of_at_least_two() -> None:
 class FakeCheckpoints:
     """Each peer's checkpoint header, and how often each was asked for it."""
 
-    def __init__(self, offer: zockpt.Offer) -> None:
-        self.offer: zockpt.Offer | None = offer
-        self.heads: dict[str, zockpt.Offer | None] = {}
+    def __init__(self, offer: savedstate.Offer) -> None:
+        self.offer: savedstate.Offer | None = offer
+        self.heads: dict[str, savedstate.Offer | None] = {}
         self.asked: dict[str, int] = {}
 
-    async def head(self, peer_id: str) -> zockpt.Offer | None:
+    async def head(self, peer_id: str) -> savedstate.Offer | None:
         self.asked[peer_id] = self.asked.get(peer_id, 0) + 1
         return self.heads.get(peer_id)
 
@@ -114,7 +115,7 @@ async def test_the_weights_agreement_asks_each_peer_once_per_checkpoint_then_fin
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     zo = rounds()
-    ours = zockpt.Offer(4, {IDS[0]: 8}, "a" * 64, Path("ours"), 1, "0" * 64)
+    ours = savedstate.Offer(4, {IDS[0]: 8}, "a" * 64, Path("ours"), 1, "0" * 64)
     checkpoints = FakeCheckpoints(ours)
     zo.checkpoints = checkpoints  # type: ignore[assignment]
     checkpoints.heads = {IDS[1]: replace(ours, round=2), IDS[2]: ours}  # peer 1 is behind, peer 2 agrees

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import zolog
+from node.algorithms.zo import zolog
 from protocol.errors import BadMessage
-from protocol.host import peer_id_from_seed
+from protocol.net.host import peer_id_from_seed
 
 RUN = "zo-run-abcdef"
 ALICE, BOB, MALLORY = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32

@@ -7,10 +7,11 @@ import msgpack
 import pytest
 import trio
 
-from protocol import wire, zolog, zosync
+from node.algorithms.zo import zolog, zosync
+from protocol import wire
 from protocol.errors import BadMessage
-from protocol.host import Host, Stream, open_host, parse_dial_addr
-from protocol.peers import PeerTable
+from protocol.net.host import Host, Stream, open_host, parse_dial_addr
+from protocol.net.peers import PeerTable
 
 pytestmark = pytest.mark.integration
 RUN = "zo-run-abcdef"

@@ -9,7 +9,7 @@ and byte range, then the raw little-endian bytes), with our metadata in its
     "sha256"      hex SHA-256 of every tensor's bytes, tensors sorted by name
 
 Why safetensors (issue 12): checkpoints travel between strangers (a ZO joiner fetches one,
-protocol/zockpt.py), and its reader is made for untrusted files, bounds its header, never
+node/algorithms/savedstate.py), and its reader is made for untrusted files, bounds its header, never
 executes anything, and is maintained by others: we keep no binary decoder to fuzz. A file
 fetched from a peer is checked against the hash its holder announced *before* it is
 parsed; ``sha256`` then catches a damaged local file.

@@ -8,8 +8,10 @@ which resumes from its checkpoint; or ZO's log replay). stdout carries control m
 only; logs go to stderr.
 """
 
+import importlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,6 +23,16 @@ from training.trainer import Trainer
 from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
+
+
+WorkerMain = Callable[[WorkerConfig, Trainer, BinaryIO, BinaryIO], None]
+
+
+def worker_main(name: str) -> WorkerMain:
+    """The worker's loop for algorithm ``name`` (a name the settings already checked):
+    ``run`` of its module in training/algorithms/."""
+    main: WorkerMain = importlib.import_module(algorithms.MODULES[name]).run
+    return main
 
 
 def build_trainer(config: WorkerConfig) -> Trainer:
@@ -54,7 +66,7 @@ def _fields(config: GPTConfig) -> dict[str, Any]:
 
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
-    algorithms.worker_main(config.run.algorithm)(config, build_trainer(config), commands, replies)
+    worker_main(config.run.algorithm)(config, build_trainer(config), commands, replies)
 
 
 def main() -> None:

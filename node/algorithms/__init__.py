@@ -4,6 +4,10 @@ Each module (local, noloco, diloco, zo) holds an ``ALGORITHM`` class that takes 
 ``base.Context`` and implements ``base.Algorithm``: what a round exchanges, with whom,
 and when it is done; its worker side is the module of the same name in
 training/algorithms/. The rest of the node asks this registry, never the algorithm's name.
+
+An algorithm's wire protocol lives beside it: noloco/pairing.py, zo/zolog.py and
+zo/zosync.py; savedstate.py (the saved state a joiner fetches) and rounds.py (payload
+rounds, joining.py) serve several.
 """
 
 import importlib

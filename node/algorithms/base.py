@@ -10,10 +10,10 @@ if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of
 
     from node.config import TrainingConfig
     from node.supervisor import Supervisor
-    from protocol.host import Host
+    from protocol.net.host import Host
     from protocol.ratelimit import RateLimit
-    from protocol.run import RunService
-    from protocol.state import RunState
+    from protocol.runstate.run import RunService
+    from protocol.runstate.state import RunState
     from training.settings import RunSettings
     from training.worker_config import WorkerConfig
 

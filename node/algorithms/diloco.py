@@ -18,9 +18,9 @@ from node.algorithms.base import Context
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection, WorkerGone
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorSpec, send_tensors
-from protocol.host import Host
-from protocol.peers import BAN_POINTS
+from protocol.net.exchange import Payload, TensorSpec, send_tensors
+from protocol.net.host import Host
+from protocol.net.peers import BAN_POINTS
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)

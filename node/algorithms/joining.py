@@ -5,7 +5,7 @@ disk) starts at round 0 with fresh weights: its peers are rounds ahead, so it tr
 alone (measured before: a partner in 0 of 8 rounds). Now every node offers the state its
 worker saved after its last outer step (φ, outer momentum, AdamW's moments, its round;
 a training/checkpoint.py safetensors file) over ``/swarmtrain/state-ckpt/1.0.0`` (the
-transfer of protocol/zockpt.py: header first, the file's sha256 checked as it arrives,
+transfer of node/algorithms/savedstate.py: header first, the file's sha256 checked as it arrives,
 before anything parses it). A node with no checkpoint of its own asks every live trainer
 for its header and starts from one of them, at the run's current round:
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import trio
 
-from protocol import zockpt
+from node.algorithms import savedstate
 from protocol.errors import ProtocolError
-from protocol.host import Host
+from protocol.net.host import Host
 
 logger = logging.getLogger("node.training")
 
@@ -42,7 +42,7 @@ MEET_WAIT_S = 20.0
 KEEP_OFFERED = 2
 # A joiner fetches right after its peers' next round boundary (their next offer), so it
 # starts that round as close behind them as the fetch allows: peers keep their payload of a
-# round for pulls only until their next boundary (protocol/pairing.py), so one that joined
+# round for pulls only until their next boundary (node/algorithms/noloco/pairing.py), so one that joined
 # mid-round would stay more than a round behind, alone, for good (measured: 10 s behind
 # 8 s rounds, a partner in 0 of 8). Headers are asked every BOUNDARY_POLL_S, for at most
 # BOUNDARY_WAIT_S (a run whose rounds take longer is joined mid-round).
@@ -63,7 +63,7 @@ class StateOffers:
     def __init__(self, host: Host, run_id: str, directory: Path | None) -> None:
         self._run_id = run_id
         self._directory = directory
-        self.service = zockpt.ZoCheckpoints(host, run_id, max_nbytes=MAX_STATE_NBYTES, protocol_id=PROTOCOL_ID)
+        self.service = savedstate.ZoCheckpoints(host, run_id, max_nbytes=MAX_STATE_NBYTES, protocol_id=PROTOCOL_ID)
         self._offered: list[Path] = []
         self.joined_from: str | None = None
         """The peer whose state we started from, if any."""
@@ -86,7 +86,7 @@ class StateOffers:
             logger.info("not offering our state of round %d: %s", round_index, exc)
             return
         # Hashed when a joiner first asks (a state of gigabytes every round would cost seconds).
-        self.service.offer = zockpt.Offer(round_index, {}, zockpt.LAZY, path, nbytes, zockpt.LAZY)
+        self.service.offer = savedstate.Offer(round_index, {}, savedstate.LAZY, path, nbytes, savedstate.LAZY)
         self._offered.append(path)
         while len(self._offered) > KEEP_OFFERED:  # one being served may still be open: keep the previous one
             with contextlib.suppress(FileNotFoundError):

@@ -4,7 +4,7 @@ At every round boundary the worker reports its losses and leaves φ and Δ in it
 the algorithm's ``exchange`` does what the round needs with peers (NoLoCo: one partner's
 payload into the inbox; DiLoCo: every live trainer's, one ``accumulate`` each; local:
 nothing) and says ``outer_go``; the worker's ``outer_done`` closes the round. Payloads
-arrive over the direct data channel (protocol/exchange.py), each authorized first by the
+arrive over the direct data channel (protocol/net/exchange.py), each authorized first by the
 algorithm's ``Inbox``, before a byte is allocated.
 """
 
@@ -19,8 +19,8 @@ from node.algorithms.base import Context
 from node.algorithms.joining import MEET_WAIT_S, StateOffers
 from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from node.waiting import until
-from protocol.data_channel import DataChannel
-from protocol.exchange import Payload, TensorReceiver
+from protocol.net.data_channel import DataChannel
+from protocol.net.exchange import Payload, TensorReceiver
 
 logger = logging.getLogger("node.training")
 

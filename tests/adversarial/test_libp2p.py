@@ -1,4 +1,4 @@
-"""A hostile peer against py-libp2p's own handlers (protocol/libp2p_fixes.py): each of these
+"""A hostile peer against py-libp2p's own handlers (protocol/net/libp2p_fixes.py): each of these
 inputs ended the victim's host on an unpatched 0.8.1 (probed on loopback); now the victim
 judges the peer and goes on serving."""
 
@@ -16,10 +16,10 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.utils.varint import encode_uvarint
 
 from protocol.errors import DialError, ProtocolError, StreamError
-from protocol.host import Host, Stream, open_host, parse_dial_addr
-from protocol.info import NodeInfo, ask_info, serve_info
-from protocol.libp2p_fixes import KAD_PROTOCOL_ID
-from protocol.peers import BAN_POINTS
+from protocol.net.host import Host, Stream, open_host, parse_dial_addr
+from protocol.net.libp2p_fixes import KAD_PROTOCOL_ID
+from protocol.net.peers import BAN_POINTS
+from protocol.runstate.info import NodeInfo, ask_info, serve_info
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """A peer lying about dial-backs cannot make a node behind a NAT believe it is public.
 
-The rule (``nat.Verdicts``, protocol/nat.py's docstring) as a pure function: verdicts in,
+The rule (``nat.Verdicts``, protocol/net/nat.py's docstring) as a pure function: verdicts in,
 reachability out, times passed as numbers (no hosts, no clock). Each test fails under the
 old rule, "one success makes us public".
 """
@@ -8,7 +8,7 @@ old rule, "one success makes us public".
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.nat import CONFIRMATIONS, MAX_VERDICTS, RECHECK_INTERVAL_S, Verdicts
+from protocol.net.nat import CONFIRMATIONS, MAX_VERDICTS, RECHECK_INTERVAL_S, Verdicts
 
 BOOT = "boot"
 LIAR_IP = "203.0.113.66"

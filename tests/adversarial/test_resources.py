@@ -15,14 +15,15 @@ import pytest
 import trio
 
 from node import api
-from protocol import exchange, wire
-from protocol import sync as sync_module
-from protocol.data_channel import DataChannel
+from node.algorithms.noloco.pairing import Pairing
+from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.exchange import TensorReceiver
-from protocol.host import FRAME_BUDGET_PER_PEER_NBYTES, Host, Stream, open_host, parse_dial_addr
-from protocol.pairing import Pairing
-from protocol.state import RunState
+from protocol.net import exchange
+from protocol.net.data_channel import DataChannel
+from protocol.net.exchange import TensorReceiver
+from protocol.net.host import FRAME_BUDGET_PER_PEER_NBYTES, Host, Stream, open_host, parse_dial_addr
+from protocol.runstate import sync as sync_module
+from protocol.runstate.state import RunState
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,9 @@ import trio
 from pycrdt import Doc, Map
 
 from node.daemon import Daemon
-from protocol import gossip, keys
-from protocol.state import MAX_MEMBERS, MemberRecord, RunState, sign_member
+from protocol import keys
+from protocol.net import gossip
+from protocol.runstate.state import MAX_MEMBERS, MemberRecord, RunState, sign_member
 from tests.conftest import Swarm, open_swarm, wait_until
 from tests.test_integration import converged, run_id_of, start_run
 

@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from bench.attacks import equivocation, flood_batch, gossip, has_zo, zo_of
+from node.algorithms.zo import zolog
 from node.daemon import Daemon
-from protocol import zolog
 from tests.adversarial.harness import events, finished, start_trainers, until
 from tests.conftest import Swarm, open_swarm, wait_until
 

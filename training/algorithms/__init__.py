@@ -7,18 +7,9 @@ worker's whole life in that algorithm; the φ/Δ family (local, noloco, diloco) 
 round loop (``training/algorithms/rounds.py``) and differ only in their outer step.
 
 Adding an algorithm: its module here, its module in node/algorithms/, one line in each
-registry. This file stays torch-free: training/settings.py takes the names from it.
+registry. This file stays torch-free and imports nothing of ours: training/settings.py
+takes the names from it, and training/worker.py looks the module up (``worker_main``).
 """
-
-import importlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, BinaryIO
-
-if TYPE_CHECKING:
-    from training.trainer import Trainer
-    from training.worker_config import WorkerConfig
-
-WorkerMain = Callable[["WorkerConfig", "Trainer", BinaryIO, BinaryIO], None]
 
 MODULES = {
     "noloco": "training.algorithms.noloco",
@@ -27,9 +18,3 @@ MODULES = {
     "zo": "training.algorithms.zo",
 }
 NAMES = tuple(MODULES)
-
-
-def worker_main(name: str) -> WorkerMain:
-    """The worker's loop for algorithm ``name`` (a name the settings already checked)."""
-    main: WorkerMain = importlib.import_module(MODULES[name]).run
-    return main

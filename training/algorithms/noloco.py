@@ -1,7 +1,7 @@
 """NoLoCo, worker side: after H inner steps, the outer step with one random partner's φ and
 Δ (training/noloco.py has the arithmetic and the partner bounds), or alone.
 
-The daemon (node/algorithms/noloco.py) puts the partner's payload in the inbox and says
+The daemon (node/algorithms/noloco/__init__.py) puts the partner's payload in the inbox and says
 ``outer_go`` with ``peer`` true; a payload the checks refuse is reported back
 (``rejected``) so the daemon can penalize its sender, and the round goes on without it.
 """

@@ -1,6 +1,6 @@
 """Zeroth-order training, worker side: the weights are the genesis weights plus the log.
 
-The daemon (node/algorithms/zo.py) says which logged updates to apply, one message per
+The daemon (node/algorithms/zo/__init__.py) says which logged updates to apply, one message per
 round of the log in the canonical order, and asks for our own updates of a round (one g
 byte per seed, by SPSA at the round's weights: training/zo.py has the arithmetic). It
 also asks for checkpoints peers can fetch (``zo_save``) and hands over fetched ones

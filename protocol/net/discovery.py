@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from protocol.errors import ProtocolError
-from protocol.host import Host, PeerAddrs
+from protocol.net.host import Host, PeerAddrs
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -13,7 +13,7 @@ Protocol flow (``/swarmtrain/state/1.0.0``), one exchange per stream:
 A responder that does not hold the run answers ``{t: "error", v: 2, reason}``; one that
 speaks another version answers ``{t: "error", v: <the asker's>, reason}`` naming both. Any bad
 message (malformed, oversized, an update that fails validation) ends the exchange with a
-reset; the sender is penalized and our state is untouched (protocol/state.py validates
+reset; the sender is penalized and our state is untouched (protocol/runstate/state.py validates
 before applying). Every read has a deadline, so a silent peer never holds us.
 """
 
@@ -23,13 +23,13 @@ import trio
 
 from protocol import wire
 from protocol.errors import ProtocolError, UnsupportedVersion
-from protocol.hostlike import HostLike, StreamLike
-from protocol.state import MAX_DOC_NBYTES, RunState
+from protocol.net.hostlike import HostLike, StreamLike
+from protocol.runstate.state import MAX_DOC_NBYTES, RunState
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/swarmtrain/state/1.0.0"
-# 2: the document holds signed records (protocol/state.py format 3). A peer of version 1
+# 2: the document holds signed records (protocol/runstate/state.py format 3). A peer of version 1
 # gets one "error" naming both versions instead of documents it would refuse.
 VERSION = 2
 # A state vector costs ~10 bytes per writer: 64 KiB covers thousands of members.

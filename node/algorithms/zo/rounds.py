@@ -1,9 +1,9 @@
 """Zeroth-order rounds over the network: the daemon's side of ``--algorithm zo``.
 
 Each round r the worker gets every logged update of rounds < r in the canonical order
-(protocol/zolog.py), computes H updates of its own (H = steps_per_round, each g for
+(node/algorithms/zo/zolog.py), computes H updates of its own (H = steps_per_round, each g for
 ``seed_of(run, us, r, seq)``, all at the round's weights), and we sign them as one batch
-and add it to our log; peers pull it (protocol/zosync.py). One signature per round is
+and add it to our log; peers pull it (node/algorithms/zo/zosync.py). One signature per round is
 shared by its H updates. The weights are therefore the genesis
 weights (the same initial seed on every node) plus the replayed log, on every node.
 
@@ -26,11 +26,12 @@ from typing import Any
 
 import trio
 
-from node.algorithms.zo_journal import Journal
+from node.algorithms import savedstate
+from node.algorithms.zo import zolog, zosync
+from node.algorithms.zo.journal import Journal
 from node.supervisor import WorkerConnection, WorkerGone
-from protocol import zockpt, zolog, zosync
 from protocol.errors import ProtocolError
-from protocol.host import Host
+from protocol.net.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,8 @@ class ZoRounds:
         self._checkpoint_dir = checkpoint_dir
         self._gossip = gossip
         self._journal = journal
-        """Our own batches on disk (node/algorithms/zo_journal.py): a restart takes them back."""
-        self.checkpoints = zockpt.ZoCheckpoints(host, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
+        """Our own batches on disk (node/algorithms/zo/journal.py): a restart takes them back."""
+        self.checkpoints = savedstate.ZoCheckpoints(host, run_id, max_nbytes=MAX_CHECKPOINT_NBYTES)
         self._saved: list[Path] = []
         self._hashed_entries = 0
 
@@ -331,8 +332,10 @@ class ZoRounds:
             logger.error("zo: no checkpoint at round %d: %s", round_index, str(reply["save_error"])[:300])
             return  # peers keep fetching our previous one, if any
         nbytes = (await trio.Path(path).stat()).st_size
-        sha256 = await zockpt.file_sha256(path)
-        self.checkpoints.offer = zockpt.Offer(round_index, vector, str(reply.get("param_hash")), path, nbytes, sha256)
+        sha256 = await savedstate.file_sha256(path)
+        self.checkpoints.offer = savedstate.Offer(
+            round_index, vector, str(reply.get("param_hash")), path, nbytes, sha256
+        )
         self._saved.append(path)
         while len(self._saved) > 2:  # one being served may still be open: keep the previous one
             with contextlib.suppress(FileNotFoundError):

@@ -20,8 +20,8 @@ import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.host import Host, Stream
-from protocol.state import FORMAT_VERSION, RUN_ID_PATTERN
+from protocol.net.host import Host, Stream
+from protocol.runstate.state import RUN_ID_PATTERN
 
 PROTOCOL_ID = "/swarmtrain/info/1.0.0"
 VERSION = 1
@@ -32,21 +32,6 @@ TIMEOUT_S = 10.0
 
 
 MAX_VERSIONS = 32
-
-
-def our_versions() -> dict[str, int]:
-    """The formats and protocol versions peers of one run must share."""
-    from protocol import exchange, pairing, sync, zockpt, zolog, zosync
-
-    return {
-        "run-document": FORMAT_VERSION,
-        "state-sync": sync.VERSION,
-        "exchange": exchange.VERSION,
-        "pairing": pairing.VERSION,
-        "zo-log": zolog.VERSION,
-        "zo-log-sync": zosync.VERSION,
-        "zo-checkpoint": zockpt.VERSION,
-    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. So:
 
 - **Reachability**: a node asks up to three peers it reached directly to dial it back on
-  a fresh TCP connection (protocol/dialback.py). Checked at start, whenever our addresses
+  a fresh TCP connection (protocol/net/dialback.py). Checked at start, whenever our addresses
   change, while still unknown, and every ``RECHECK_INTERVAL_S``. Any peer can lie, so no
   single answer decides (AutoNAT asks for several confirmations); ``Verdicts`` keeps the
   latest verdict of each server, with its time, across checks, so a small network adds up
@@ -44,7 +44,7 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
   NATs; behind a port-randomising NAT the pair stays relayed.
 
 Nothing here carries tensors: the policy (tensors only over direct connections) is the
-callers' (``Host.connection_type``, protocol/pairing.py).
+callers' (``Host.connection_type``, node/algorithms/noloco/pairing.py).
 """
 
 import logging
@@ -68,15 +68,15 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol import dialback
-from protocol import upnp as igd
-from protocol.conns import parse_peer_id, remote_ipv4, socket_stream_of
 from protocol.errors import DialError
+from protocol.net import dialback
+from protocol.net import upnp as igd
+from protocol.net.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.net.hostlike import DirectHostLike
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-    from protocol.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class NatPolicy:
     hole_punch: bool = True
     """Upgrade relayed connections with DCUtR (off: they stay relayed)."""
     upnp: bool = False
-    """Ask the router to forward our listen port (UPnP IGD, protocol/upnp.py)."""
+    """Ask the router to forward our listen port (UPnP IGD, protocol/net/upnp.py)."""
     ssdp_addr: tuple[str, int] = igd.SSDP_ADDR
     """Where UPnP discovery asks (the multicast group; tests point it at a fake gateway)."""
 
@@ -305,7 +305,7 @@ class Nat:
         """Ask these first for dial-backs and reservations (the bootstrap peers)."""
         self._preferred = list(peer_ids)
 
-    async def run(self, host: "Host", *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, host: DirectHostLike, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = trio.current_time()
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(background_trio_service(self._circuit))
@@ -344,7 +344,7 @@ class Nat:
                 types[peer.to_base58()] = kind
         return types
 
-    async def _watch_connections(self, host: "Host") -> None:
+    async def _watch_connections(self, host: DirectHostLike) -> None:
         """Notes peers reached by relay, when the first of them became direct, and tells
         ``changed`` when any connection comes, goes or changes type (libp2p has no event)."""
         last: dict[str, str] = {}
@@ -453,14 +453,14 @@ class Nat:
                 continue
         return sorted(set(ports))[: dialback.MAX_PORTS]
 
-    def _servers(self, host: "Host") -> list[str]:
+    def _servers(self, host: DirectHostLike) -> list[str]:
         direct = [p for p, kind in self.connection_types().items() if kind == "direct"]
         preferred = [p for p in self._preferred if p in direct]
         others = [p for p in direct if p not in preferred]
         random.shuffle(others)
         return (preferred + others)[:SERVERS_PER_CHECK]
 
-    async def check_reachability(self, host: "Host") -> str:
+    async def check_reachability(self, host: DirectHostLike) -> str:
         ports = self._listen_ports()
         servers = self._servers(host)
         if not ports or not servers:
@@ -501,7 +501,7 @@ class Nat:
             self._notify()
         return reachability
 
-    async def _reachability_loop(self, host: "Host") -> None:
+    async def _reachability_loop(self, host: DirectHostLike) -> None:
         """Checks at start, while unknown, when our addresses change, and every 10 min."""
         addrs: list[str] = []
         last_check = -RECHECK_INTERVAL_S
@@ -522,7 +522,7 @@ class Nat:
 
     # --- reservations ---
 
-    async def _reservation_loop(self, host: "Host") -> None:
+    async def _reservation_loop(self, host: DirectHostLike) -> None:
         while True:
             self._drop_lost_relays()
             if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:

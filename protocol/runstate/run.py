@@ -12,7 +12,7 @@ Tasks, all in one nursery:
   ones first, a bounded number per sweep: a stranger's made-up members cost little);
 - upkeep: after changes, write back the newest record of live members (and ours) that a
   delete or a replay took out of the document, and past ``MAX_MEMBERS`` records evict the
-  silent oldest (protocol/state.py: the admission rule);
+  silent oldest (protocol/runstate/state.py: the admission rule);
 - expiry: drop peers silent for longer than the TTL.
 """
 
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from protocol import gossip
 from protocol.errors import ProtocolError
-from protocol.hostlike import GossipMessage, HostLike, PeerAddrs
-from protocol.peers import PeerTable
-from protocol.state import MAX_MEMBERS, RunState
-from protocol.sync import StateSync
+from protocol.net import gossip
+from protocol.net.hostlike import GossipMessage, HostLike, PeerAddrs
+from protocol.net.peers import PeerTable
+from protocol.runstate.state import MAX_MEMBERS, RunState
+from protocol.runstate.sync import StateSync
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -80,9 +80,9 @@ class RunService:
         self.num_gossip_received = 0
         self.num_pull_failures = 0
         self.zo_hint: Callable[[str, bytes], Awaitable[None]] | None = None
-        """Where gossiped ZO batches go (node/algorithms/zo_rounds.py verifies them); dropped while None."""
+        """Where gossiped ZO batches go (node/algorithms/zo/rounds.py verifies them); dropped while None."""
         self.zo_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
-        """Where gossiped ZO equivocation evidence goes (protocol/zosync.py checks it)."""
+        """Where gossiped ZO equivocation evidence goes (node/algorithms/zo/zosync.py checks it)."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._sync.register()

@@ -8,7 +8,7 @@ Many home routers forward a port when asked over UPnP (Internet Gateway Device p
     SOAP GetExternalIPAddress → the public IP we announce
     ... renewed at half the lease; DeletePortMapping when we stop.
 
-With a mapping the node is dialable: the next dial-back check (protocol/nat.py) finds it
+With a mapping the node is dialable: the next dial-back check (protocol/net/nat.py) finds it
 public, and it needs no relay. Off by default: it changes the user's router.
 
 Everything from the network here is untrusted: replies are read up to ``MAX_REPLY_NBYTES``

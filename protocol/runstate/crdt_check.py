@@ -5,9 +5,9 @@ updates (issue 12): clocks near 2³² wrap and panic; two blocks of one client a
 clock *segfault* the first read of the map (no exception to catch); a root written as an
 Array hides content from every check; ten thousand chained items cost gigabytes; a GC
 block under our own client id moves our clock back, so our next write reuses ids peers
-already hold. A panic can be caught (protocol/state.py does); a segfault, a hang or the
+already hold. A panic can be caught (protocol/runstate/state.py does); a segfault, a hang or the
 OOM killer cannot. So updates are read here first, in Python, against an allowlist of
-exactly what protocol/state.py writes, and anything else is a ``BadMessage``.
+exactly what protocol/runstate/state.py writes, and anything else is a ``BadMessage``.
 
 Update format (Yjs/yrs update v1, lib0 encoding; varuint = LEB128):
 

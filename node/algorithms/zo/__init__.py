@@ -1,4 +1,4 @@
-"""``--algorithm zo``, daemon side: ``ZoRounds`` (node/algorithms/zo_rounds.py) wired to the node.
+"""``--algorithm zo``, daemon side: ``ZoRounds`` (node/algorithms/zo/rounds.py) wired to the node.
 
 The worker side is training/algorithms/zo.py; docs/zo.md has the algorithm and its rules.
 """
@@ -8,8 +8,8 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.zo_journal import Journal
-from node.algorithms.zo_rounds import ZoRounds
+from node.algorithms.zo.journal import Journal
+from node.algorithms.zo.rounds import ZoRounds
 from node.supervisor import Supervisor, WorkerConnection
 
 

@@ -1,6 +1,6 @@
 """What we know about other peers that is not replicated: liveness and misbehaviour.
 
-Liveness is ephemeral on purpose (see protocol/state.py): a peer is live while we heard
+Liveness is ephemeral on purpose (see protocol/runstate/state.py): a peer is live while we heard
 from it (a heartbeat, a sync, any valid message) within ``ttl_s``. Misbehaviour adds
 penalty points; at ``BAN_POINTS`` the peer is banned for ``BAN_S`` and its streams and
 gossip are ignored.

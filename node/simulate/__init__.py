@@ -1,7 +1,7 @@
 """``swarmtrain simulate``: a bootstrap node and N daemons as separate processes on one machine.
 
 ``--topology loopback`` (default) puts every node on 127.0.0.1. ``--topology nat`` builds a
-small internet in network namespaces (node/netbed.py, needs root): the bootstrap node on a
+small internet in network namespaces (node/simulate/netbed.py, needs root): the bootstrap node on a
 public address, each daemon behind its own NAT, so nodes must find relays, reserve slots
 and hole-punch to reach each other; ``--symmetric-nats K`` makes the last K NATs
 port-randomising (their hosts cannot hole-punch and stay relayed).
@@ -48,9 +48,9 @@ from typing import Any
 import trio
 
 from node import algorithms, api
-from node.children import Child, start_forkserver
 from node.errors import ApiError, ConfigError, NodeError
-from node.netbed import Netbed, NetbedUnavailable
+from node.simulate.children import Child, start_forkserver
+from node.simulate.netbed import Netbed, NetbedUnavailable
 from training.settings import RunSettings
 
 MAX_NODES = 64
@@ -62,7 +62,7 @@ API_WAIT_S = 60.0
 TOPOLOGIES = ("loopback", "nat")
 NAT_PORT = 4001
 # Behind NATs, a pair still relayed this long after every pair connected stays relayed
-# (DCUtR tries three times, seconds apart; protocol/nat.py again after 20 s and 60 s).
+# (DCUtR tries three times, seconds apart; protocol/net/nat.py again after 20 s and 60 s).
 NAT_SETTLE_S = 75.0
 
 
@@ -138,7 +138,7 @@ class _Placement:
         if self.bed is not None:
             listen = f"/ip4/0.0.0.0/tcp/{NAT_PORT}"
             netns = self.bed.netns_path("pub" if index is None else f"host{index}")
-        argv = ["node", "--data-dir", str(data_dir), "--listen", listen, "--stop-on-stdin-eof", *flags]
+        argv = ["--data-dir", str(data_dir), "--listen", listen, "--stop-on-stdin-eof", *flags]
         return _Node(name, data_dir, Child(argv, data_dir / "node.log", netns=netns))
 
     def bootstrap_addr(self, status: dict[str, Any]) -> str:
@@ -472,7 +472,7 @@ def simulate(options: SimulationOptions) -> int:
         options.report_path.write_text(text + "\n")
         print(f"report written to {options.report_path}")
     if options.plot_path is not None and options.settings.trains:
-        from node.plot import plot_report
+        from node.simulate.plot import plot_report
 
         plot_report(report, options.plot_path)
         print(f"loss curves drawn in {options.plot_path}")

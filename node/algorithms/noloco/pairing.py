@@ -8,7 +8,7 @@ Protocol flow (``/swarmtrain/pair/1.0.0``), one question per stream:
                                                  has the same size
                                       ◀───────── {t: "accept", v: 1} or
                                                  {t: "busy", v: 1, retry, reason}
-    after "accept" each sends its payload to the other (protocol/exchange.py, same round)
+    after "accept" each sends its payload to the other (protocol/net/exchange.py, same round)
 
 Who may pair: only members of the run (``is_member``: a signed member record we hold),
 one question per peer at a time. A partner must start sending within ``NO_SHOW_S`` of the
@@ -44,7 +44,7 @@ gone on. Such a node asks for a pull instead:
 The puller averages with our φ; we do not take its payload (our round is done or paired).
 Measured before pulls: a late NoLoCo joiner, one round behind its peers for good, had a
 partner in 0 of 6 rounds. The worker does not overwrite the outbox before ``close_pulls``
-(node/algorithms/noloco.py calls it at the worker's ``inner_done``), which waits for pulls
+(node/algorithms/noloco/__init__.py calls it at the worker's ``inner_done``), which waits for pulls
 under way at most ``pull_grace_s`` for the payload's size, then cuts them: a slow puller
 delays our round by at most that, once per round.
 """
@@ -59,8 +59,8 @@ import trio
 
 from protocol import wire
 from protocol.errors import ProtocolError
-from protocol.exchange import Payload, TensorSpec, send_tensors
-from protocol.host import Host, Stream
+from protocol.net.exchange import Payload, TensorSpec, send_tensors
+from protocol.net.host import Host, Stream
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ verdict. Tampering on the wire fails the hash; a connection without a pending to
 dropped; a token works once. The payload is not encrypted: model weights exchanged in a
 public training run are not secret, their integrity is what matters.
 
-Protocol flow (on the data port, after protocol/exchange.py handed out the token):
+Protocol flow (on the data port, after protocol/net/exchange.py handed out the token):
 
     sender                                   receiver
     token (32 bytes)          ─────────────▶ looks up the pending transfer; unknown: close
@@ -65,7 +65,7 @@ class DataChannel:
     def expect(self, buffer: memoryview, peer_id: str) -> bytes:
         """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present.
 
-        Only authorized transfers get here (protocol/exchange.py), one per peer at a time, so
+        Only authorized transfers get here (protocol/net/exchange.py), one per peer at a time, so
         a stranger cannot take the slots an expected partner needs.
         """
         if any(p.peer_id == peer_id for p in self._pending.values()):

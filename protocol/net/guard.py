@@ -21,7 +21,7 @@ stops tasks; swallowing it would hang shutdown). An exception group is split: th
 part goes on up, the rest is judged like a single exception.
 
 Penalties add up in the ``PeerTable``; a peer that reaches the ban threshold is banned,
-its connections are closed and new ones refused (``on_ban``: protocol/host.py).
+its connections are closed and new ones refused (``on_ban``: protocol/net/host.py).
 """
 
 import logging
@@ -31,7 +31,7 @@ from typing import ParamSpec
 import trio
 
 from protocol.errors import BadMessage, ProtocolError, StreamError, UnsupportedVersion
-from protocol.peers import PeerTable
+from protocol.net.peers import PeerTable
 
 logger = logging.getLogger(__name__)
 

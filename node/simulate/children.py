@@ -19,8 +19,10 @@ from pathlib import Path
 
 import trio
 
+from node.launch import node_main
+
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["node.cli", "node.daemon"])
+_CONTEXT.set_forkserver_preload(["node.launch", "node.daemon"])
 
 
 def start_forkserver(log_path: Path) -> None:
@@ -57,7 +59,8 @@ def enter_netns(path: str) -> None:
 def _child_main(
     argv: list[str], lifeline: multiprocessing.connection.Connection, log_path: str, netns: str | None
 ) -> None:
-    """Runs in the child: its network namespace, output to the log, the lifeline as stdin, then the CLI."""
+    """Runs in the child: its network namespace, output to the log, the lifeline as stdin, then
+    ``swarmtrain node`` with ``argv``."""
     if netns is not None:
         enter_netns(netns)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -65,18 +68,16 @@ def _child_main(
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.dup2(lifeline.fileno(), 0)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the CLI installs its own handlers
-
-    from node.cli import main
-
-    sys.exit(main(argv))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the daemon installs its own handlers
+    sys.exit(node_main(argv))
 
 
 class Child:
     """One node process: start, wait, signal, and close its lifeline."""
 
     def __init__(self, argv: list[str], log_path: Path, *, netns: str | None = None) -> None:
-        """``netns``: run in that network namespace (a path under /var/run/netns)."""
+        """``argv``: the flags of ``swarmtrain node``; ``netns``: run in that network
+        namespace (a path under /var/run/netns)."""
         reader, self._lifeline = _CONTEXT.Pipe(duplex=False)
         self._process = _CONTEXT.Process(target=_child_main, args=(argv, reader, str(log_path), netns), daemon=False)
         self._process.start()

@@ -25,7 +25,7 @@ What ``UpdateLog.add`` refuses, nothing stored:
   never split on who saw which batch first;
 - ``UnknownAuthor``, ``NotYet``, ``Excluded`` (not the sender's fault, nothing penalized):
   a peer not (yet) known as a member, rounds beyond the window we accept now (our agreed
-  round plus a few: protocol/zosync.py), an author already excluded.
+  round plus a few: node/algorithms/zo/zosync.py), an author already excluded.
 A batch we already hold adds nothing (a replay is harmless); a batch that starts past our
 next sequence number for that peer is kept aside (bounded) until the gap is filled.
 

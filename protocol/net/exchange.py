@@ -8,7 +8,7 @@ Protocol flow (``/swarmtrain/exchange/1.0.0``), one transfer per stream:
                                                                  against its limit; allocates once
                                            ◀── {t: "ack", v: 1, ok: false, reason}  (refused), or
                                            ◀── {t: "go", v: 1, port, token}
-    port > 0: the bytes over the direct data channel (protocol/data_channel.py) to the
+    port > 0: the bytes over the direct data channel (protocol/net/data_channel.py) to the
               receiver's IP on that port, after the token;
     port = 0: the bytes on this stream.
                                            ◀── {t: "ack", v: 1, ok, reason}  after the hash check
@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import blake3
 import trio
 
-from protocol import data_channel, wire
-from protocol.data_channel import DataChannel
+from protocol import wire
 from protocol.errors import BadMessage, ProtocolError, StreamError
-from protocol.host import Host, Stream
+from protocol.net import data_channel
+from protocol.net.data_channel import DataChannel
+from protocol.net.host import Host, Stream
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)

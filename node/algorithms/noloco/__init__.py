@@ -1,4 +1,4 @@
-"""NoLoCo, daemon side: each round, one random live trainer as partner (protocol/pairing.py:
+"""NoLoCo, daemon side: each round, one random live trainer as partner (node/algorithms/noloco/pairing.py:
 bounded wait; with nobody free, a one-way pull of a peer's payload of the round; then
 alone); its payload lands in the worker's inbox. A payload the worker
 refuses (non-finite, out of the partner bounds) bans its sender."""
@@ -9,10 +9,10 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
+from node.algorithms.noloco.pairing import Pairing
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
-from protocol.pairing import Pairing
-from protocol.peers import BAN_POINTS
+from protocol.net.peers import BAN_POINTS
 
 logger = logging.getLogger("node.training")
 

@@ -12,7 +12,7 @@ Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
 
 ``sha256`` is the file's: the joiner checks it while the bytes arrive and refuses the file
 (before anything parses it) if it differs. ``head``: the header only, to compare weights
-(node/algorithms/zo_rounds.py: the param-hash agreement) without fetching them.
+(node/algorithms/zo/rounds.py: the param-hash agreement) without fetching them.
 
 A checkpoint at round r is the weights after every logged update of rounds < r; ``vector``
 says how many entries of each peer's chain it includes. The joiner takes it only if that
@@ -34,7 +34,7 @@ import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.host import Host, Stream
+from protocol.net.host import Host, Stream
 from protocol.ratelimit import UNLIMITED
 
 logger = logging.getLogger(__name__)

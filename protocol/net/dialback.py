@@ -15,20 +15,17 @@ Why not libp2p's own AutoNAT service: in py-libp2p 0.8.1 its dial-back calls
 ``host.connect``, which returns at once when a connection to the asker exists, and the
 asker is always connected to it, so every dial-back "succeeds" (basic_host.py ``connect``).
 A fresh TCP connection is the honest test. How verdicts make a node public or private is
-protocol/nat.py's (``Nat.check_reachability``).
+protocol/net/nat.py's (``Nat.check_reachability``).
 """
 
 import ipaddress
 import logging
-from typing import TYPE_CHECKING
 
 import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-
-if TYPE_CHECKING:
-    from protocol.host import Host, Stream
+from protocol.net.hostlike import DirectHostLike, StreamLike
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +43,14 @@ MAX_ASKERS_KEPT = 4096
 class DialbackServer:
     """Answers dial-back requests for ``host``."""
 
-    def __init__(self, host: "Host") -> None:
+    def __init__(self, host: DirectHostLike) -> None:
         self._host = host
         self._last_asked: dict[str, float] = {}
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
 
-    async def _serve(self, stream: "Stream") -> None:
+    async def _serve(self, stream: StreamLike) -> None:
         request = await wire.receive(
             stream, msg_types=frozenset({"dialback?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
         )
@@ -91,7 +88,7 @@ class DialbackServer:
         await wire.send(stream, "dialback", VERSION, {"ok": sorted(reached), "ip": ip})
 
 
-async def ask(host: "Host", server: str, ports: list[int]) -> tuple[bool, str | None] | None:
+async def ask(host: DirectHostLike, server: str, ports: list[int]) -> tuple[bool, str | None] | None:
     """Ask ``server`` to dial us back on ``ports``: (reached, the IP it saw us on), or None
     if it gave no verdict (unreachable, refused, or a malformed answer)."""
     try:

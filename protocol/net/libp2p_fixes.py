@@ -7,7 +7,7 @@ runs as a task of the Swarm's service manager, and any exception it does not exp
 listener, and through ``BasicHost.run`` the host and our daemon with it. Pubsub's
 ``push_msg`` is likewise a task of the Pubsub service, whose failure ends the host.
 
-Global fixes (module state, applied when protocol/host.py is imported, before any host):
+Global fixes (module state, applied when protocol/net/host.py is imported, before any host):
 1. Kademlia's protocol id: ``KadDHT(protocol_prefix=...)`` only stores the prefix; the id
    ``/ipfs/kad/1.0.0`` is hard-coded in five modules (registration, the dials of peer
    routing, providers and values, and the routing table's filter of peers by their
@@ -33,7 +33,7 @@ Global fixes (module state, applied when protocol/host.py is imported, before an
 Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
 6. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
    which catches only ``MultiselectError`` around the protocol handler) runs inside our
-   guard (protocol/guard.py): a malformed protobuf on pubsub's ``/meshsub`` streams (23
+   guard (protocol/net/guard.py): a malformed protobuf on pubsub's ``/meshsub`` streams (23
    bytes killed the daemon), a bug in any libp2p handler, resets that stream and
    penalizes its peer instead.
 7. ``Pubsub.push_msg``: a published message whose ``key`` field is garbage makes
@@ -69,7 +69,7 @@ from libp2p.stream_muxer.exceptions import MuxedStreamError
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_WINDOW_UPDATE, YAMUX_HEADER_FORMAT, Yamux, YamuxStream
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
-from protocol.guard import Guard
+from protocol.net.guard import Guard
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ Protocol flow (topic ``/swarmtrain/run/<run id>/1``), every message signed by li
                                         for the next pull; bigger ones are only pulled.
     {t: "bye",    v: 1}                 a clean shutdown: stop counting me as live now.
     {t: "zo",     v: 1, batch}          a new signed batch of zeroth-order updates
-                                        (protocol/zolog.py); pulls repair what is lost.
+                                        (node/algorithms/zo/zolog.py); pulls repair what is lost.
     {t: "zoequiv", v: 1, a, b}          two signed batches of one author that contradict
                                         each other: the evidence that excludes it
-                                        (protocol/zosync.py); pulls carry it too.
+                                        (node/algorithms/zo/zosync.py); pulls carry it too.
 
 GossipSub drops messages under bursts and never delivers over 1 MiB, so nothing here is
 relied on: a lost heartbeat is covered by the TTL, a lost update by anti-entropy pulls.

@@ -3,7 +3,7 @@
 A node killed right after it published a batch may come back before any peer it can
 reach holds that batch. Starting its chain again from what it can pull, it would sign a
 second batch for the same sequence numbers: equivocation, which excludes and bans it
-everywhere (protocol/zolog.py). So each batch we sign is appended here (and synced to
+everywhere (node/algorithms/zo/zolog.py). So each batch we sign is appended here (and synced to
 disk) before it is added to our log or gossiped, and a restarted node takes its chain
 back from this file first: nothing it published is lost, and no sequence number is
 signed twice.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import trio
 
-from protocol import zolog
+from node.algorithms.zo import zolog
 from protocol.errors import BadMessage
 
 logger = logging.getLogger(__name__)

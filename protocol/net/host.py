@@ -1,6 +1,6 @@
 """The one façade over py-libp2p: a host with TCP + Noise + Yamux, a Kademlia DHT and GossipSub.
 
-Nothing outside this module, protocol/conns.py and protocol/nat.py (relay, hole punching)
+Nothing outside this module, protocol/net/conns.py and protocol/net/nat.py (relay, hole punching)
 imports libp2p. Peers are named by their base58 peer-id strings and addresses are
 multiaddr strings; libp2p's exceptions are mapped to ``protocol.errors`` here.
 
@@ -11,10 +11,10 @@ Choices, each measured or learned in ../shared/probes:
   its heartbeat is 1 s (default 120 s) and its spam protection is off (it drops >10 msg/s);
   gossip stays a hint in this project anyway, and the truth is pulled over streams.
 - The DHT speaks ``/swarmtrain/kad/1.0.0`` so we never join the IPFS DHT by accident
-  (py-libp2p ignores ``protocol_prefix``: protocol/libp2p_fixes.py sets the id).
+  (py-libp2p ignores ``protocol_prefix``: protocol/net/libp2p_fixes.py sets the id).
 - Where py-libp2p lets one peer's bytes end the host (an unguarded stream handler, pubsub's
-  message task, multiselect's decoding), protocol/libp2p_fixes.py closes the hole; every
-  inbound stream runs in our guard (protocol/guard.py), and bans close connections.
+  message task, multiselect's decoding), protocol/net/libp2p_fixes.py closes the hole; every
+  inbound stream runs in our guard (protocol/net/guard.py), and bans close connections.
 - ``close()`` runs before leaving ``host.run()``; otherwise sockets and tasks leak.
 """
 
@@ -51,16 +51,16 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol.conns import parse_peer_id, remote_ipv4, socket_stream_of
-from protocol.dialback import DialbackServer
 from protocol.errors import BadMessage, DialError, ProtocolError, StreamError
-from protocol.guard import Guard
-from protocol.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
-from protocol.hostlike import PeerAddrs as PeerAddrs
-from protocol.hostlike import serve_guarded
-from protocol.libp2p_fixes import guard_host
-from protocol.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
-from protocol.peers import PeerTable
+from protocol.net.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.net.dialback import DialbackServer
+from protocol.net.guard import Guard
+from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
+from protocol.net.hostlike import PeerAddrs as PeerAddrs
+from protocol.net.hostlike import serve_guarded
+from protocol.net.libp2p_fixes import guard_host
+from protocol.net.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
+from protocol.net.peers import PeerTable
 from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ SMALL_READ_NBYTES = 64 << 10
 READ_CHUNK_NBYTES = 256 << 10
 # What unfinished incoming messages may hold: 16 MiB from one peer (a whole run document
 # fits), 64 MiB from everyone. Bulk tensor payloads are not messages: they land in buffers
-# allocated only for an authorized transfer (protocol/exchange.py).
+# allocated only for an authorized transfer (protocol/net/exchange.py).
 FRAME_BUDGET_PER_PEER_NBYTES = 20 << 20
 FRAME_BUDGET_TOTAL_NBYTES = 64 << 20
 # Liveness bound of a host opened without the daemon's peer table (tests, tools).
@@ -295,7 +295,7 @@ class Host:
             total_nbytes=FRAME_BUDGET_TOTAL_NBYTES, per_peer_nbytes=FRAME_BUDGET_PER_PEER_NBYTES
         )
         self.guard = guard
-        """The boundary rule (protocol/guard.py): handlers run in it, misbehaviour is judged there."""
+        """The boundary rule (protocol/net/guard.py): handlers run in it, misbehaviour is judged there."""
         guard.on_ban = self._on_ban
 
     @property
@@ -430,7 +430,7 @@ class Host:
     def set_handler(self, protocol_id: str, handler: StreamHandler, *, deadline_s: float = HANDLER_DEADLINE_S) -> None:
         """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.
 
-        The boundary rule (protocol/guard.py): a banned peer's stream is reset unread; the
+        The boundary rule (protocol/net/guard.py): a banned peer's stream is reset unread; the
         handler runs under a deadline; whatever escapes it (a refusal, a bug, a panic of a
         native library) resets the stream and is judged, and the daemon goes on.
         """
@@ -567,7 +567,7 @@ async def open_host(
     peers: PeerTable | None = None,
 ) -> AsyncIterator[Host]:
     """Start a host listening on ``listen_addrs`` with its DHT (server mode), GossipSub and
-    NAT traversal (protocol/nat.py: reachability checks, relay, hole punching).
+    NAT traversal (protocol/net/nat.py: reachability checks, relay, hole punching).
 
     ``preferred_peers``: asked first for dial-backs and relay slots (the bootstrap peers).
     ``relayed_tensors_mbps``: > 0 lets tensors cross relays at that cap (``Host.tensor_refusal``).

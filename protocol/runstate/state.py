@@ -23,7 +23,7 @@ Trust rules (peers are strangers; protocol/keys.py checks a signature from the p
   made-up members. Nothing is refused for their number (a cap on the count would make the
   same update valid at one node and invalid at another). Instead each node evicts the
   silent oldest once the document holds more than ``MAX_MEMBERS`` records (``evict``,
-  run by protocol/run.py: members we have not heard from, oldest ``seq`` first; never
+  run by protocol/runstate/run.py: members we have not heard from, oldest ``seq`` first; never
   ourselves, never a live one); what counts for training is a member that is also live
   (node/training.py), and a record evicted comes back only with a newer signature. A hard
   byte cap (``MAX_DOC_NBYTES``) bounds memory; an update past it is refused without a
@@ -48,9 +48,10 @@ from typing import Any, TypeVar
 import trio
 from pycrdt import Doc, Map
 
-from protocol import crdt_check, keys
+from protocol import keys
 from protocol.errors import BadMessage, ProtocolError, UnsupportedVersion
-from protocol.guard import FATAL
+from protocol.net.guard import FATAL
+from protocol.runstate import crdt_check
 
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")  # base58btc
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
@@ -83,7 +84,7 @@ os.environ["RUST_BACKTRACE"] = "0"
 
 class Overfull(ProtocolError):
     """A valid update we cannot take: the document would pass its byte cap. Not the
-    sender's fault (it may only relay), so not penalized (protocol/guard.py)."""
+    sender's fault (it may only relay), so not penalized (protocol/net/guard.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """What the run's protocols need of a host, as ``typing.Protocol``s: the seam for tests.
 
-``protocol/host.py``'s ``Host`` (libp2p) and ``Stream`` satisfy these structurally; an
+``protocol/net/host.py``'s ``Host`` (libp2p) and ``Stream`` satisfy these structurally; an
 in-memory network (tests/fakenet.py) does too, so RunService, StateSync and ZoLogSync run
 against either. Nothing here imports libp2p.
 
@@ -11,8 +11,9 @@ against either. Nothing here imports libp2p.
     │   connected_peers
     ├── publish, subscribe
     └── punish
+    DirectHostLike (NAT traversal): HostLike + addrs, direct_ip
 
-A host keeps the boundary rule (protocol/guard.py): an inbound stream of a banned peer is
+A host keeps the boundary rule (protocol/net/guard.py): an inbound stream of a banned peer is
 reset unread, a handler runs under a deadline inside ``guard.run``, and every failure of a
 stream is a ``StreamError``, of a dial a ``DialError`` (protocol/errors.py).
 """
@@ -23,8 +24,8 @@ from typing import Protocol, TypeVar
 
 import trio
 
-from protocol.guard import Guard
-from protocol.peers import PeerTable
+from protocol.net.guard import Guard
+from protocol.net.peers import PeerTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +135,16 @@ class HostLike(Protocol):
         ...
 
     async def disconnect(self, peer_id: str) -> None: ...
+
+
+class DirectHostLike(HostLike, Protocol):
+    """A host that knows its own addresses and how each peer is connected: what NAT
+    traversal (protocol/net/nat.py, dialback.py) needs beyond ``HostLike``."""
+
+    def addrs(self) -> list[str]:
+        """Addresses peers should dial, each ending in /p2p/<our peer id>."""
+        ...
+
+    def direct_ip(self, peer_id: str) -> str | None:
+        """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
+        ...

@@ -17,7 +17,7 @@ Protocol flow (``/swarmtrain/zo-log/1.0.0``), one exchange per stream:
                                                          two batches that convicted each author
                                                          we excluded; more: ask again)
 
-The puller verifies every batch (protocol/zolog.py) before it is stored: a holder cannot
+The puller verifies every batch (node/algorithms/zo/zolog.py) before it is stored: a holder cannot
 make us accept anything its authors did not sign. A bad batch ends the exchange and the
 holder is penalized; batches verified before it are kept (each stands on its own). Gossip
 carries new batches as hints; this pull is what makes every log complete.
@@ -36,10 +36,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from protocol import wire, zolog
+from node.algorithms.zo import zolog
+from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.hostlike import HostLike, StreamLike
-from protocol.peers import BAN_POINTS
+from protocol.net.hostlike import HostLike, StreamLike
+from protocol.net.peers import BAN_POINTS
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ZoLogSync:
         self.entries_by_gossip = 0
         self.entries_by_pull = 0
         self.publish_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
-        """Gossips a new equivocation's two batches (protocol/run.py); None: pulls carry it."""
+        """Gossips a new equivocation's two batches (protocol/runstate/run.py); None: pulls carry it."""
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=EXCHANGE_TIMEOUT_S)
