@@ -2,7 +2,7 @@
 
 It flows unchanged from the TOML file (`[run.settings]`) or CLI flags (`--algorithm`,
 `--set outer.beta=0.5`…) of the node that creates the run into the run manifest
-(protocol/state.py carries it as `encode()` bytes, signed by the creator), to every
+(protocol/runstate/state.py carries it as `encode()` bytes, signed by the creator), to every
 joiner (which adopts the run's, whatever its own say), to the worker (training/worker.py,
 as `to_dict()` JSON) and to `simulate`. Nothing re-declares a field: a new setting is one
 field here.
@@ -26,7 +26,7 @@ from training import algorithms, encodings
 # registry's (training/algorithms/).
 ALGORITHMS = ("none", *algorithms.NAMES)
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
-MODEL_PRESETS = ("micro", "tiny", "gpt-125m")
+MODEL_PRESETS = ("micro", "tiny", "gpt-125m", "tiny-moe", "gpt-125m-moe")
 # Outer payload encodings: the registry's (training/encodings/).
 COMPRESSIONS = encodings.NAMES
 # Far above any settings blob (a few hundred bytes): bounds what a manifest can make us decode.

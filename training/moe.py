@@ -1,0 +1,121 @@
+"""A mixture-of-experts feed-forward layer: top-k routing over E experts, run as one grouped matmul.
+
+Each token's router scores (a softmax over the experts) pick its ``top_k`` experts; the
+token's output is their outputs weighted by the picked scores, renormalized to sum to 1.
+Experts are two-matrix GELU MLPs without biases (``w_in``: dim × hidden, ``w_out``:
+hidden × dim), one ``Expert`` module each, so that a node can own and train some experts
+and hold the others frozen (SPES, docs/training.md): parameters are named
+``….experts.<e>.w_in`` / ``.w_out``, and ``expert_index`` reads ``e`` back from a name.
+
+The tokens are sorted by expert and every expert's slice multiplied in one call of
+``torch.nn.functional.grouped_mm`` (torch ≥ 2.9, CPU and CUDA). ``grouped=False`` runs
+the same slices in a Python loop: the reference the tests hold it to (bit-identical in
+float32), and the path where grouped_mm is missing.
+
+Balance without a global view (no node sees the others' routing):
+- Auxiliary-loss-free bias (Wang et al. 2024, as in DeepSeek-V3): a per-expert bias is
+  added to the scores for *choosing* experts only (never to the weights); after each
+  training forward it moves by ``bias_rate`` toward balance, up for an expert that got
+  fewer tokens than the mean, down for one that got more. It is local state (a buffer:
+  not averaged, not sent), each node balancing its own data.
+- A small auxiliary loss (Switch Transformer): E · Σ_e f_e · P_e, with f_e the share of
+  routed token slots expert e got and P_e its mean router probability; 1 when balanced.
+  ``aux_loss`` holds the last forward's value; the model adds it with its weight.
+"""
+
+import re
+from typing import cast
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_index(name: str) -> int | None:
+    """The expert a parameter name belongs to (``blocks.1.moe.experts.3.w_in`` → 3), or None."""
+    match = _EXPERT_NAME.search(name)
+    return int(match.group(1)) if match else None
+
+
+def has_grouped_mm() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(dim, hidden))
+        self.w_out = nn.Parameter(torch.empty(hidden, dim))
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        bias_rate: float = 1e-3,
+        grouped: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.bias_rate = bias_rate
+        self.grouped = has_grouped_mm() if grouped is None else grouped
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+        self.route_bias: torch.Tensor
+        self.register_buffer("route_bias", torch.zeros(num_experts))
+        self.load: torch.Tensor
+        """Share of the routed token slots each expert got in the last forward (sums to 1)."""
+        self.register_buffer("load", torch.full((num_experts,), 1.0 / num_experts), persistent=False)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(tokens).float(), dim=-1)
+        _, chosen = torch.topk(probs + self.route_bias, self.top_k, dim=-1)
+        weights = probs.gather(1, chosen)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = self._experts(tokens[token_of], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
+        share = counts.to(probs.dtype) / flat.numel()
+        self.aux_loss = self.num_experts * (share * probs.mean(dim=0)).sum()
+        stepping = self.training and torch.is_grad_enabled()  # not in ZO's or eval's forwards
+        with torch.no_grad():
+            self.load.copy_(share)
+            if stepping:
+                self.route_bias.add_(self.bias_rate * torch.sign(share.mean() - share))
+        return out.reshape(shape)
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's MLP on its slice of ``xs`` (sorted by expert, ``counts`` rows each)."""
+        if torch.is_autocast_enabled(xs.device.type):  # grouped_mm on CUDA takes bf16
+            xs = xs.to(torch.get_autocast_dtype(xs.device.type))
+        experts = cast(list[Expert], list(self.experts))
+        w_in = torch.stack([e.w_in for e in experts]).to(xs.dtype)
+        w_out = torch.stack([e.w_out for e in experts]).to(xs.dtype)
+        if self.grouped:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            hidden = F.gelu(F.grouped_mm(xs, w_in, offs=offs))
+            out: torch.Tensor = F.grouped_mm(hidden, w_out, offs=offs)
+            return out
+        parts = []
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            rows = xs[start : start + count]
+            parts.append(F.gelu(rows @ w_in[e]) @ w_out[e])
+            start += count
+        return torch.cat(parts)
