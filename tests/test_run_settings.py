@@ -33,7 +33,7 @@ def test_a_trainer_adopts_the_runs_settings_whole(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING):
         adopted = adopt(ours, Manifest(**RUN, settings=CUSTOM.encode()))
     assert adopted == CUSTOM
-    assert "algorithm 'diloco' -> 'zo'" in caplog.text and "zo.lr 0.003 -> 0.001" in caplog.text
+    assert "algorithm 'diloco' -> 'zo'" in caplog.text and "zo.lr 0.0 -> 0.001" in caplog.text
 
 
 def test_a_joiner_with_default_settings_adopts_quietly(caplog: pytest.LogCaptureFixture) -> None:

@@ -66,7 +66,7 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
     t = trainer(0, steps=100)
     t.inner_steps()  # a briefly pretrained model, as ZO fine-tuning starts from one
     params = list(t.model.parameters())
-    config = ZoConfig()
+    config = ZoConfig(lr=3e-3)
     before = t.val_loss()
     for step in range(300):
         x, y = t.shard.batch(batch_size=16, seed=1, step=step)
@@ -74,3 +74,14 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
         g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps)  # type: ignore[misc]
         zo.apply_updates(params, [(seed, zo.encode_g(g, config.g_max))], config)
     assert t.val_loss() < before - 0.005
+
+
+def test_the_default_step_size_scales_with_the_model() -> None:
+    from training.models import GPT, preset
+
+    micro = GPT(preset("micro")).num_params()
+    assert zo.step_size(ZoConfig(), micro) == zo.LR_TIMES_PARAMS / micro
+    assert 2.9e-3 < zo.step_size(ZoConfig(), micro) < 3.1e-3  # the value tuned on micro before
+    assert zo.step_size(ZoConfig(lr=1e-3), micro) == 1e-3  # a run's explicit choice stands
+    with pytest.raises(ValueError, match="step_size"):
+        zo.apply_updates([torch.zeros(3)], [(1, 0x7F)], ZoConfig())

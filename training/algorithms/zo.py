@@ -10,6 +10,7 @@ also asks for checkpoints peers can fetch (``zo_save``) and hands over fetched o
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -100,8 +101,9 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
     round of the log, in the canonical order: one message is one summed group, so the
     grouping is part of the arithmetic) and asks for our own updates of a round; the
     weights are the genesis weights plus the applied log, never anything else."""
-    zo_config = config.run.zo
     params = list(trainer.model.parameters())
+    zo_config = replace(config.run.zo, lr=zo.step_size(config.run.zo, sum(p.numel() for p in params)))
+    logger.info("zo: step size %.3g", zo_config.lr)
     genesis = [p.detach().clone() for p in params]
     trainer.model.eval()
     ipc.write_blocking(replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0)
