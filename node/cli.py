@@ -51,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
-    sim.add_argument("--model", default="tiny", help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m")
+    sim.add_argument(
+        "--model",
+        default="tiny",
+        choices=settings.MODEL_PRESETS,
+        help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m; tiny-moe, gpt-125m-moe (8 experts, top-2)",
+    )
     sim.add_argument(
         "--compression", choices=settings.COMPRESSIONS, default="none", help="outer payload encoding (default none)"
     )

@@ -84,7 +84,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--algorithm", choices=settings.ALGORITHMS, help="a new run trains with this algorithm")
     parser.add_argument("--rounds", type=int, help="outer rounds to train")
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
-    parser.add_argument("--model", help="model preset: micro, tiny, gpt-125m")
+    parser.add_argument("--model", choices=settings.MODEL_PRESETS, help="model preset (a new run trains it)")
     parser.add_argument("--compression", choices=settings.COMPRESSIONS, help="outer payload encoding (default none)")
     add_set_flag(parser)
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
