@@ -1,4 +1,6 @@
-"""Fetching a ZO checkpoint from a peer, so a late joiner need not replay the whole log.
+"""Fetching a peer's saved state, so a late joiner starts where the run is: a ZO checkpoint
+(the joiner need not replay the whole log), or a φ/Δ node's state (node/algorithms/joining.py,
+under its own protocol id).
 
 Protocol flow (``/swarmtrain/zo-ckpt/1.0.0``), one exchange per stream:
 

@@ -29,8 +29,6 @@ MAX_FRAME_NBYTES = 16 << 10
 # A daemon holds one run today; the list leaves room for more.
 MAX_RUNS = 16
 TIMEOUT_S = 10.0
-
-
 MAX_VERSIONS = 32
 
 

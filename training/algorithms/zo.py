@@ -102,7 +102,7 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
     grouping is part of the arithmetic) and asks for our own updates of a round; the
     weights are the genesis weights plus the applied log, never anything else."""
     params = list(trainer.model.parameters())
-    zo_config = replace(config.run.zo, lr=zo.step_size(config.run.zo, sum(p.numel() for p in params)))
+    zo_config = replace(config.run.zo, lr=zo.step_size(config.run.zo, trainer.model.num_params()))
     logger.info("zo: step size %.3g", zo_config.lr)
     genesis = [p.detach().clone() for p in params]
     trainer.model.eval()
