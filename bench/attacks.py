@@ -4,6 +4,7 @@ run into an attacker; nothing here ships in the daemon itself.
 
     await poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
     await never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
+    await poison_experts(d, scale)    SPES: the versions of its experts it publishes carry values × scale
     flood_batch(d, n)           ZO: one signed batch of n entries for its current round, every
                                 g the largest (n > steps per round breaks the run's rules)
     equivocation(d)             ZO: another signed batch for its sequence numbers 0…H-1
@@ -17,6 +18,7 @@ import trio
 
 from node.algorithms.noloco import Noloco
 from node.algorithms.noloco.pairing import Pairing
+from node.algorithms.spes import Spes
 from node.algorithms.zo import Zo, zolog
 from node.algorithms.zo.rounds import ZoRounds
 from node.daemon import Daemon
@@ -51,6 +53,20 @@ async def never_send(daemon: Daemon) -> None:
         current.sends.append(sent)
 
     pairing._start_sending = nothing  # type: ignore[method-assign]
+
+
+async def poison_experts(daemon: Daemon, scale: float) -> None:
+    assert daemon.training is not None
+    await daemon.training.started.wait()
+    algorithm = daemon.training.algorithm
+    assert isinstance(algorithm, Spes), "not a SPES trainer"
+    store = algorithm.store
+    publish = store.publish
+
+    def poisoned(seed: bytes, expert: int, round_index: int, data: bytes) -> Any:
+        return publish(seed, expert, round_index, (np.frombuffer(data, dtype=np.float32) * scale).tobytes())
+
+    store.publish = poisoned  # type: ignore[method-assign]
 
 
 def has_zo(daemon: Daemon) -> bool:

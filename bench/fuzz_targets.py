@@ -50,14 +50,24 @@ from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from pycrdt import Doc
 
 from node.algorithms import savedstate
+from node.algorithms.spes import experts
 from node.algorithms.zo import zolog, zosync
 from node.versions import our_versions
 from protocol import keys, wire
 from protocol.errors import BadMessage, DialError, ProtocolError
 from protocol.net import dialback, exchange, gossip, libp2p_fixes, nat, upnp
 from protocol.net import host as host_module
+from protocol.ratelimit import UNLIMITED, RateLimit
 from protocol.runstate import crdt_check, info
-from protocol.runstate.state import MAX_UPDATE_STRUCTS, Manifest, MemberRecord, RunState, sign_member
+from protocol.runstate.state import (
+    MAX_UPDATE_STRUCTS,
+    LeaseRecord,
+    Manifest,
+    MemberRecord,
+    RunState,
+    sign_lease,
+    sign_member,
+)
 from training import checkpoint, ipc, settings
 from training import data as token_data
 from training.models import GPT, GPTConfig
@@ -250,6 +260,12 @@ class _FakeHost:
 
     def direct_ip(self, peer_id: str) -> str | None:
         return None
+
+    def tensor_refusal(self, peer_id: str) -> str | None:
+        return None
+
+    def tensor_limit(self, peer_id: str, upload: RateLimit) -> RateLimit:
+        return upload
 
 
 def _run(async_fn: Callable[..., Any], *args: Any) -> Any:
@@ -672,6 +688,8 @@ def _documents() -> dict[str, bytes]:
     add_b = other.put_member(_member(PEER_B, SEED_B, addrs=("/ip4/10.0.0.2/tcp/4001", "/dns4/b.example/tcp/1")))
     renew_a = other.put_member(_member(PEER_A, SEED_A, seq=2, role="observer"))
     evict_b = other.evict([PEER_B])
+    lease_a = other.put_lease(sign_lease(LeaseRecord(3, PEER_A, 1, 0), SEED_A, RUN))
+    lease_b = other.put_lease(sign_lease(LeaseRecord(3, PEER_B, 2, 5), SEED_B, RUN))
     lone = _run_state(303)
     lone.put_member(_member(PEER_C, SEED_C, role="bootstrap"))
     return {
@@ -680,6 +698,8 @@ def _documents() -> dict[str, bytes]:
         "add_b": add_b,
         "renew_a": renew_a,
         "evict_b": evict_b,
+        "lease_a": lease_a,
+        "lease_b": lease_b,
         "diff": other.diff(base.state_vector()),
         "lone": lone.encode(),
         "sv_base": base.state_vector(),
@@ -973,6 +993,62 @@ def _zosync_serve(raw: bytes) -> object:
     for batch in _batches()[:2]:
         log.add(batch, max_round=1 << 41)
     return _run(zosync.ZoLogSync(host, log, current_round=lambda: 10)._serve, host.stream)  # type: ignore[arg-type]
+
+
+_EXPERT_NBYTES = 64
+
+
+@cache
+def _expert_heads() -> list[experts.Head]:
+    return [
+        experts.sign_head(SEED_A, RUN, 0, 3, bytes(_EXPERT_NBYTES)),
+        experts.sign_head(SEED_B, RUN, 5, 1 << 30, bytes(range(_EXPERT_NBYTES))),
+    ]
+
+
+def _expert_store(host: "_FakeHost") -> experts.ExpertStore:
+    store = experts.ExpertStore(host, RUN, upload_limit=UNLIMITED)  # type: ignore[arg-type]
+    store.configure(8, _EXPERT_NBYTES)
+    return store
+
+
+def _experts_heads_seeds() -> list[bytes]:
+    heads = [h.wire() for h in _expert_heads()]
+    return [
+        _frame("heads", experts.VERSION, {"round": 4, "heads": heads}),
+        _frame("heads", experts.VERSION, {"round": 0, "heads": []}),
+    ]
+
+
+def _experts_heads(raw: bytes) -> object:
+    return _run(_expert_store(_FakeHost(raw)).heads, PEER_X)
+
+
+def _experts_fetch_seeds() -> list[bytes]:
+    return [
+        _frame("expert", experts.VERSION, {"nbytes": _EXPERT_NBYTES}) + bytes(_EXPERT_NBYTES),
+        _frame("gone", experts.VERSION, {}),
+    ]
+
+
+def _experts_fetch(raw: bytes) -> object:
+    return _run(_expert_store(_FakeHost(raw)).fetch, PEER_X, _expert_heads()[0])
+
+
+def _experts_serve_seeds() -> list[bytes]:
+    head = _expert_heads()[0]
+    return [
+        _frame("heads?", experts.VERSION, {"run": RUN}),
+        _frame("get", experts.VERSION, {"run": RUN, "expert": 0, "sha256": head.sha256}),
+        _frame("get", experts.VERSION, {"run": "other-abcdef", "expert": 7, "sha256": b""}),
+    ]
+
+
+def _experts_serve(raw: bytes) -> object:
+    host = _FakeHost(raw)
+    store = _expert_store(host)
+    store.publish(SEED_A, 0, 3, bytes(_EXPERT_NBYTES))
+    return _run(store._serve, host.stream)
 
 
 def _multiselect_seeds() -> list[bytes]:
@@ -1277,6 +1353,30 @@ def _targets() -> list[Target]:
             protocol_refusal,
             _zosync_serve_seeds,
             "node/algorithms/zo/zosync.py _serve: the want request",
+            FRAME,
+        ),
+        Target(
+            "experts_heads",
+            _experts_heads,
+            protocol_refusal,
+            _experts_heads_seeds,
+            "node/algorithms/spes/experts.py ExpertStore.heads: the reply (each head's signature)",
+            FRAME,
+        ),
+        Target(
+            "experts_fetch",
+            _experts_fetch,
+            protocol_refusal,
+            _experts_fetch_seeds,
+            "node/algorithms/spes/experts.py ExpertStore.fetch: header, then the bytes",
+            FRAME,
+        ),
+        Target(
+            "experts_serve",
+            _experts_serve,
+            protocol_refusal,
+            _experts_serve_seeds,
+            "node/algorithms/spes/experts.py ExpertStore._serve: the request",
             FRAME,
         ),
         Target(

@@ -47,15 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=settings.ALGORITHMS,
         default="noloco",
-        help="noloco (default); diloco or local (baselines); zo (zeroth-order); none (network only)",
+        help="noloco (default); diloco or local (baselines); zo (zeroth-order); spes (sparse expert sync, a "
+        "mixture of experts); none (network only)",
     )
     sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
     sim.add_argument(
         "--model",
-        default="tiny",
         choices=settings.MODEL_PRESETS,
-        help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m; tiny-moe, gpt-125m-moe (8 experts, top-2)",
+        help="model preset: tiny (default, 3.3 M), micro (0.12 M), gpt-125m; tiny-moe (default for spes), "
+        "gpt-125m-moe (8 experts, top-2)",
     )
     sim.add_argument(
         "--compression", choices=settings.COMPRESSIONS, default="none", help="outer payload encoding (default none)"
@@ -114,7 +115,7 @@ def _simulated_settings(args: argparse.Namespace) -> settings.RunSettings:
         "algorithm": args.algorithm,
         "rounds": args.rounds,
         "inner.steps_per_round": args.inner_steps,
-        "model": args.model,
+        "model": args.model or settings.default_model(args.algorithm),
         "compression": args.compression,
     }
     try:

@@ -219,6 +219,14 @@ def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConf
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    run_settings = data.get("run", {}).get("settings")
+    if (
+        isinstance(run_settings, dict)
+        and "model" not in run_settings
+        and isinstance(run_settings.get("algorithm"), str)
+    ):
+        # A run names an algorithm but no model: the algorithm's own default (SPES: tiny-moe).
+        run_settings["model"] = settings.default_model(run_settings["algorithm"])
     return from_mapping(NodeConfig, data, prefix="")
 
 

@@ -40,6 +40,8 @@ class WorkerConnection:
         self.inbox: shared_memory.SharedMemory | None = None
         self.payload_nbytes = 0
         self.start_round = 0
+        self.ready: dict[str, Any] = {}
+        """The worker's ``ready`` message (an algorithm reads its own fields there)."""
 
     async def receive(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -71,6 +73,7 @@ class WorkerConnection:
             raise WorkerGone("worker's pipe broke") from exc
 
     def attach(self, ready: dict[str, Any]) -> None:
+        self.ready = ready
         self.payload_nbytes = int(ready["payload_nbytes"])
         self.start_round = max(0, int(ready.get("round", 0)))
         if self.payload_nbytes > 0:  # zeroth-order workers have no payload blocks

@@ -12,8 +12,9 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                  ◀── {t: "inner_done", round} (H inner steps done)
     {t: "outbox_free", round}    ──▶ (nobody reads the outbox now: last round's payload,
                                      which a peer behind us may pull, can be overwritten)
-                                 ◀── {t: "round_done", round, train_loss, val_loss, compute_s}
-                                     (the outbox now holds φ then Δ, encoded as in training/trainer.py)
+                                 ◀── {t: "round_done", round, train_loss, val_loss, compute_s,
+                                     memory} (the outbox now holds φ then Δ, encoded as in
+                                     training/trainer.py; memory: Trainer.memory())
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer, rejected, save_error}
                                      (rejected: why the partner's payload was refused, or
@@ -26,6 +27,16 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                  ◀── {t: "accumulated", round, ok, reason}
     {t: "outer_go", round, key}     ──▶ (``key``: ours; Δs are averaged in key order, so
                                         every node sums in the same order, bit for bit)
+    SPES (training/algorithms/spes.py) adds a block of expert slots and one command:
+                                 ◀── {t: "ready", ..., experts, num_experts, expert_nbytes,
+                                     held_rounds} (the experts block's name; the round of
+                                     the version of each expert the worker holds, -1: genesis)
+    {t: "setup", owned}          ──▶ (before the first round: the experts to train)
+    {t: "outer_go", round, peer, owned, swap: [[expert, round], ...]} ──▶ (swap: slots the
+                                     daemon filled with a peer's version of that round)
+                                 ◀── {t: "outer_done", ..., rejected_experts: [[expert,
+                                     round, reason], ...]} (versions refused: their owner
+                                     is penalized)
     Zeroth-order runs (algorithm "zo") use no shared memory (payload_nbytes 0):
     {t: "zo_apply", rebuild, updates: [[seed, g code], ...], more} ──▶ logged updates in
                                         this order (rebuild: from the genesis weights); a
@@ -71,7 +82,10 @@ WORKER_TYPES = frozenset(
     }
 )
 DAEMON_TYPES = frozenset(
-    {"start", "outbox_free", "outer_go", "accumulate", "stop", "zo_apply", "zo_go", "zo_finish", "zo_save", "zo_load"}
+    {
+        *("start", "outbox_free", "outer_go", "accumulate", "stop", "setup"),
+        *("zo_apply", "zo_go", "zo_finish", "zo_save", "zo_load"),
+    }
 )
 
 

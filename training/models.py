@@ -2,7 +2,7 @@
 
 Presets: ``micro`` (~0.1 M parameters, for multi-node simulations on a small CPU), ``tiny``
 (~3.3 M parameters, byte vocabulary, trains on a CPU here in minutes) and ``gpt-125m``
-(GPT-2 small shape, for GPUs); their mixture-of-experts versions ``tiny-moe`` and
+(GPT-2 small shape, for GPUs); their mixture-of-experts versions ``micro-moe``, ``tiny-moe`` and
 ``gpt-125m-moe`` (8 experts per block, top-2, each expert half the dense MLP's width, so a
 token's active parameters equal the dense model's: training/moe.py). Attention uses PyTorch's fused
 ``scaled_dot_product_attention`` (flash kernels on CUDA, a fused CPU path elsewhere).
@@ -63,6 +63,8 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-125m": GPTConfig(vocab_size=50304, context_len=1024, num_layers=12, num_heads=12, embed_dim=768),
     # ~9.6 M parameters, ~3.3 M active per token: the dense tiny's shape, 8 experts per block.
     "tiny-moe": GPTConfig(num_experts=8),
+    # ~0.32 M parameters (~0.12 M active), micro's shape with 8 experts: SPES simulations and tests on a small CPU.
+    "micro-moe": GPTConfig(context_len=64, num_layers=2, num_heads=4, embed_dim=64, num_experts=8),
     "gpt-125m-moe": GPTConfig(
         vocab_size=50304, context_len=1024, num_layers=12, num_heads=12, embed_dim=768, num_experts=8
     ),

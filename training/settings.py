@@ -26,7 +26,9 @@ from training import algorithms, encodings
 # registry's (training/algorithms/).
 ALGORITHMS = ("none", *algorithms.NAMES)
 # The presets of training/models.py, named here so torch-free code (the daemon) can check them.
-MODEL_PRESETS = ("micro", "tiny", "gpt-125m", "tiny-moe", "gpt-125m-moe")
+MODEL_PRESETS = ("micro", "tiny", "gpt-125m", "micro-moe", "tiny-moe", "gpt-125m-moe")
+# The mixture-of-experts presets: what SPES trains (each node owns some of their experts).
+MOE_PRESETS = ("tiny-moe", "micro-moe", "gpt-125m-moe")
 # Outer payload encodings: the registry's (training/encodings/).
 COMPRESSIONS = encodings.NAMES
 # Far above any settings blob (a few hundred bytes): bounds what a manifest can make us decode.
@@ -107,12 +109,36 @@ class ZoConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SpesConfig:
+    """Sparse expert sync (training/spes.py, node/algorithms/spes/): each node trains only
+    the experts it leases; the shared weights are averaged as NoLoCo does (``outer``)."""
+
+    merge_alpha: float = 0.05
+    """α_0 of expert merging: an owned expert moves this far toward the mean of its most
+    similar peers each round, e ← e + α_t·mean_k(e_k − e); 0 turns merging off."""
+    merge_fraction: float = 0.2
+    """α_t falls linearly from merge_alpha to 0 over this fraction of the run's rounds."""
+    merge_k: int = 2
+    """How many of the most similar experts (cosine of their first-layer weights) an expert merges with."""
+    lapse_rounds: int = 2
+    """An owner that published none of its experts for this many of our rounds loses its
+    leases (as does one whose liveness expired)."""
+
+    def __post_init__(self) -> None:
+        _in_range("spes.merge_alpha", self.merge_alpha, 0.0, 1.0)
+        _in_range("spes.merge_fraction", self.merge_fraction, 0.0, 1.0)
+        _in_range("spes.merge_k", self.merge_k, 1, 1024)
+        _in_range("spes.lapse_rounds", self.lapse_rounds, 1, 1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunSettings:
     """Everything every trainer of a run must do alike; the run's creator decides."""
 
     algorithm: str = "none"
     """none (network only), noloco, diloco (average with every live peer: a baseline),
-    local (no averaging: the other baseline) or zo (seed-based zeroth-order)."""
+    local (no averaging: the other baseline), zo (seed-based zeroth-order) or spes
+    (sparse expert sync: a mixture-of-experts model, each node training its own experts)."""
     model: str = "tiny"
     """Model preset (training/models.py)."""
     rounds: int = 20
@@ -122,12 +148,17 @@ class RunSettings:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     zo: ZoConfig = field(default_factory=ZoConfig)
+    spes: SpesConfig = field(default_factory=SpesConfig)
 
     def __post_init__(self) -> None:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("model", self.model, MODEL_PRESETS)
         _choice("compression", self.compression, COMPRESSIONS)
         _in_range("rounds", self.rounds, 1, 1 << 30)
+        _check(
+            self.algorithm not in algorithms.MIXTURE_OF_EXPERTS or self.model in MOE_PRESETS,
+            f"model: {self.algorithm} trains a mixture of experts ({', '.join(MOE_PRESETS)}), got {self.model!r}",
+        )
 
     @property
     def trains(self) -> bool:
@@ -179,6 +210,11 @@ def _flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{name}"] = value
     return flat
+
+
+def default_model(algorithm: str) -> str:
+    """The model a run of ``algorithm`` trains unless told otherwise."""
+    return MOE_PRESETS[0] if algorithm in algorithms.MIXTURE_OF_EXPERTS else "tiny"
 
 
 def names() -> list[str]:
@@ -261,12 +297,15 @@ __all__ = [
     "ALGORITHMS",
     "COMPRESSIONS",
     "MODEL_PRESETS",
+    "MOE_PRESETS",
     "InnerConfig",
     "OuterConfig",
     "RunSettings",
     "SettingsError",
+    "SpesConfig",
     "ZoConfig",
     "decode",
+    "default_model",
     "from_dict",
     "names",
     "parse_assignment",

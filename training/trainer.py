@@ -51,6 +51,7 @@ class Trainer:
         device: str = "cpu",
         compile_model: bool = False,
         bounds: PartnerBounds | None = None,
+        outer_params: list[torch.nn.Parameter] | None = None,
     ) -> None:
         self.encoding = encoding(compression)
         self.device = torch.device(device)
@@ -66,10 +67,14 @@ class Trainer:
         self.seed = seed
         self.step = 0
         self.round = 0
-        self._params = [p for p in model.parameters()]
+        self._params = list(model.parameters()) if outer_params is None else list(outer_params)
+        """What the outer step averages (φ, Δ, m and the payload): every parameter, or
+        SPES's shared ones (training/spes.py)."""
+        self._trainable = list(self._params)
+        """What AdamW steps: the outer parameters, plus SPES's owned experts."""
         self.phi = [p.detach().clone() for p in self._params]
         self.momentum = [torch.zeros_like(p) for p in self._params]
-        self.optimizer = torch.optim.AdamW(self._params, lr=inner.lr, weight_decay=inner.weight_decay)
+        self.optimizer = self._new_optimizer()
         self.payload_numel = 2 * sum(p.numel() for p in self._params)
         """Values in a payload: φ and Δ."""
         self._numels = [p.numel() for p in self._params] * 2
@@ -79,6 +84,21 @@ class Trainer:
         self.bounds = bounds or PartnerBounds()
         self.last_rejection: str | None = None
         """Why the last partner payload was refused (None if it was used, or there was none)."""
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(self._trainable, lr=self.inner.lr, weight_decay=self.inner.weight_decay)
+
+    def memory(self) -> dict[str, int]:
+        """What training holds per parameter, measured: trainable and total parameters, the
+        bytes of gradients (after the last backward) and of optimizer state (AdamW's moments,
+        the outer momentum and the outer step's copy φ of the slow weights)."""
+        adam = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return {
+            "trainable_params": sum(p.numel() for p in self._trainable),
+            "total_params": sum(p.numel() for p in self.model.parameters()),
+            "grad_bytes": sum(p.grad.nbytes for p in self.model.parameters() if p.grad is not None),
+            "optimizer_state_bytes": sum(t.nbytes for t in (*adam, *self.momentum, *self.phi)),
+        }
 
     def inner_steps(self) -> float:
         """H AdamW steps on θ; returns the mean training loss."""
@@ -90,7 +110,7 @@ class Trainer:
                 loss = self._loss(inputs.to(self.device), targets.to(self.device))
             self.optimizer.zero_grad(set_to_none=True)
             torch.autograd.backward(loss)
-            torch.nn.utils.clip_grad_norm_(self._params, self.inner.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self._trainable, self.inner.grad_clip)
             self.optimizer.step()
             total += loss.item()
             self.step += 1

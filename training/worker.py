@@ -49,16 +49,20 @@ def build_trainer(config: WorkerConfig) -> Trainer:
     shard = data.make_shard(
         tokens, context_len=model_config.context_len, node_index=config.node_index, num_nodes=config.num_nodes
     )
-    return Trainer(
-        model,
-        shard,
-        inner=config.run.inner,
-        outer=config.run.outer,
-        seed=config.node_index if config.batch_seed is None else config.batch_seed,
-        compression=config.run.compression,
-        device=device,
-        compile_model=config.compile == "on" or (config.compile == "auto" and device == "cuda"),
-    )
+    common: dict[str, Any] = {
+        "inner": config.run.inner,
+        "outer": config.run.outer,
+        "seed": config.node_index if config.batch_seed is None else config.batch_seed,
+        "compression": config.run.compression,
+        "device": device,
+        "compile_model": config.compile == "on" or (config.compile == "auto" and device == "cuda"),
+    }
+    # An algorithm with a trainer of its own (SPES) names it ``make_trainer`` in its module.
+    make = getattr(importlib.import_module(algorithms.MODULES[config.run.algorithm]), "make_trainer", None)
+    if make is not None:
+        trainer: Trainer = make(model, shard, config.run, **common)
+        return trainer
+    return Trainer(model, shard, **common)
 
 
 def _fields(config: GPTConfig) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """The daemon side of each training algorithm, one module each, named here.
 
-Each module (local, noloco, diloco, zo) holds an ``ALGORITHM`` class that takes a
+Each module (local, noloco, diloco, zo, spes) holds an ``ALGORITHM`` class that takes a
 ``base.Context`` and implements ``base.Algorithm``: what a round exchanges, with whom,
 and when it is done; its worker side is the module of the same name in
 training/algorithms/. The rest of the node asks this registry, never the algorithm's name.
 
 An algorithm's wire protocol lives beside it: noloco/pairing.py, zo/zolog.py and
-zo/zosync.py; savedstate.py (the saved state a joiner fetches) and rounds.py (payload
-rounds, joining.py) serve several.
+zo/zosync.py, spes/experts.py (and spes/leases.py, its rule); savedstate.py (the saved
+state a joiner fetches) and rounds.py (payload rounds, joining.py) serve several.
 """
 
 import importlib
@@ -19,6 +19,7 @@ MODULES = {
     "diloco": "node.algorithms.diloco",
     "local": "node.algorithms.local",
     "zo": "node.algorithms.zo",
+    "spes": "node.algorithms.spes",
 }
 
 __all__ = ["MODULES", "Algorithm", "Context", "TrainingMetrics", "algorithm_class", "create"]

@@ -38,6 +38,9 @@ class TrainingMetrics:
     """Partner payloads the worker refused (non-finite, out of bounds): each cost its sender."""
     first_ready: float | None = None
     """When the first worker said "ready" (trio time)."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """The worker's last ``Trainer.memory()``: trainable and total parameters, gradient and
+    optimizer-state bytes."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +86,11 @@ class Algorithm(Protocol):
 
     def status(self) -> dict[str, Any]:
         """Its part of the node's training status (``bytes_sent``/``bytes_received`` at least)."""
+
+    @staticmethod
+    def summary(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        """Given every node's training status: what the simulation report shows at its top
+        level for this algorithm (SPES: the experts' owners and hand-overs); {} for most."""
 
     @staticmethod
     def settled(statuses: list[dict[str, Any]]) -> bool:

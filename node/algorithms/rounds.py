@@ -38,7 +38,7 @@ class Inbox(Protocol):
 class PayloadRounds:
     """The shared loop; a subclass says what a round exchanges (``exchange``)."""
 
-    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from")
+    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from", "memory")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -60,6 +60,9 @@ class PayloadRounds:
 
     def ready(self, worker: WorkerConnection) -> None:
         """A worker said ready (its payload size is known now)."""
+
+    async def opening(self, worker: WorkerConnection) -> None:
+        """Before the worker's first round (SPES: which experts it trains)."""
 
     async def exchange(
         self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
@@ -86,12 +89,21 @@ class PayloadRounds:
     def settled(statuses: list[dict[str, Any]]) -> bool:
         return True
 
+    @staticmethod
+    def summary(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        return {}
+
     def traffic(self) -> dict[str, Any]:
         """Payload bytes moved (``bytes_sent``, ``bytes_received``)."""
         return {"bytes_sent": 0, "bytes_received": 0}
 
     def status(self) -> dict[str, Any]:
-        return {**self.traffic(), "start_round": self.start_round, "joined_from": self.states.joined_from}
+        return {
+            **self.traffic(),
+            "start_round": self.start_round,
+            "joined_from": self.states.joined_from,
+            "memory": self.ctx.metrics.memory,
+        }
 
     async def train(self) -> None:
         inbox = self.inbox()
@@ -160,6 +172,7 @@ class PayloadRounds:
         if worker.start_round >= self.ctx.run.rounds:
             return
         self.ready(worker)
+        await self.opening(worker)
         own = self.ctx.worker_config.checkpoint_path
         outbox = worker.outbox.buf[: worker.payload_nbytes]
         inbox = worker.inbox.buf[: worker.payload_nbytes]
@@ -172,6 +185,9 @@ class PayloadRounds:
                 elif message["t"] == "round_done":
                     metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
                     metrics.compute_s += float(message.get("compute_s", 0.0))
+                    memory = message.get("memory")
+                    if isinstance(memory, dict):
+                        metrics.memory = {k: int(v) for k, v in memory.items() if type(v) is int}
                     started = trio.current_time()
                     await self.exchange(worker, message, outbox, inbox)
                     metrics.sync_wait_s += trio.current_time() - started

@@ -391,6 +391,8 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
     daemons = [entry(n) for n in nodes[1:]]
     algorithm = next((d["algorithm"] for d in daemons if d.get("algorithm")), "none")
     digests = {d["state_digest"] for d in daemons} | {nodes[0].status.get("state_digest")}
+    statuses = [n.status.get("training") or {} for n in nodes[1:]]
+    summary = algorithms.algorithm_class(algorithm).summary(statuses) if algorithm in algorithms.MODULES else {}
     return {
         "algorithm": algorithm,
         "wall_s": round(wall_s, 3),
@@ -398,6 +400,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
         "converged": all(n.converged_s is not None for n in nodes) and len(digests) == 1,
         "bootstrap": entry(nodes[0]) if nodes else {},
         "nodes": daemons,
+        **summary,
     }
 
 

@@ -26,7 +26,7 @@ Update format (Yjs/yrs update v1, lib0 encoding; varuint = LEB128):
                   123 float64, 119 string, 118 map (count, count × (string, value)),
                   117 list (count, count × value), 116 bytes (varuint length, bytes)
 
-Allowed: map entries (Deleted or Any content) of the roots "manifest" and "members",
+Allowed: map entries (Deleted or Any content) of the roots "manifest", "members" and "leases",
 GC and Skip blocks, delete sets. Refused: every other content kind (strings, nested
 types, XML, formats, embeds, sub-documents, JSON), a parent given by id, a root entry
 without a key (a sequence item), other roots, the Any values undefined and bigint,
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from protocol.errors import BadMessage
 
-ROOTS = frozenset({"manifest", "members"})
+ROOTS = frozenset({"manifest", "members", "leases"})
 # yrs clocks are u32 and wrap silently near 2^32; no honest document comes near 2^31.
 MAX_CLOCK = 1 << 31
 # Yjs client ids are JavaScript-safe integers; yrs draws 53-bit ones.

@@ -10,9 +10,10 @@ Tasks, all in one nursery:
   at most one pull per peer per MIN_PULL_SPACING_S;
 - members: dial members we read about in the document but are not connected to (live
   ones first, a bounded number per sweep: a stranger's made-up members cost little);
-- upkeep: after changes, write back the newest record of live members (and ours) that a
-  delete or a replay took out of the document, and past ``MAX_MEMBERS`` records evict the
-  silent oldest (protocol/runstate/state.py: the admission rule);
+- upkeep: after changes, write back the newest record of live members (and ours), and the
+  best lease of live owners, that a delete or a replay took out of the document, and past
+  ``MAX_MEMBERS`` records evict the silent oldest (protocol/runstate/state.py: the admission
+  rule);
 - expiry: drop peers silent for longer than the TTL.
 """
 
@@ -249,6 +250,10 @@ class RunService:
         me = self._host.peer_id
         restore = [p for p in self.state.stale() if p == me or self.peers.is_live(p)]
         updates = [self.state.restore(restore)]
+        leases = self.state.leases
+        # A claim a replay or delete took back: written again while its owner is live.
+        lost = [e for e in self.state.stale_leases() if leases[e].owner == me or self.peers.is_live(leases[e].owner)]
+        updates.append(self.state.restore_leases(lost))
         members = self.state.members
         excess = len(members) - MAX_MEMBERS
         if excess > 0:
@@ -258,8 +263,10 @@ class RunService:
             evicted = [r.peer_id for r in silent[:excess]]
             logger.info("%d member records past %d: evicting %d silent ones", len(members), MAX_MEMBERS, len(evicted))
             updates.append(self.state.evict(evicted))
-        if restore:
-            logger.info("restored %d member records a delete or a replay had taken back", len(restore))
+        if restore or lost:
+            logger.info(
+                "restored %d member records and %d leases a delete or a replay had taken back", len(restore), len(lost)
+            )
         return [u for u in updates if u]
 
     async def _expiry_loop(self) -> None:

@@ -4,8 +4,11 @@
     ├── "manifest"  Map: run_id, name, creator, created_at, version, settings: what the
     │               run trains (training/settings.py's bytes, opaque here: node/training.py
     │               decodes and adopts them), and sig: the creator's
-    └── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at,
-                    seq, sig}: each record signed by the peer it describes
+    ├── "members"   Map: peer id → {peer_id, addrs, role, device, memory_nbytes, joined_at,
+    │               seq, sig}: each record signed by the peer it describes
+    └── "leases"    Map: expert index → {expert, owner, epoch, round, sig}: who trains an
+                    expert of a mixture-of-experts run (SPES, node/algorithms/spes/leases.py),
+                    signed by that owner: a claim, written when the lease rule gives it the expert
 
 Trust rules (peers are strangers; protocol/keys.py checks a signature from the peer id):
 - **Signed records.** The manifest is signed by its creator and never changes; a member
@@ -34,6 +37,13 @@ Trust rules (peers are strangers; protocol/keys.py checks a signature from the p
   hostile bytes, and its ``PanicException`` is a ``BaseException``: every call that sees a
   peer's bytes is wrapped (``_crdt``) and a panic is a ``BadMessage`` like any other.
 
+- **Leases, best per expert.** A lease is its owner's signed claim on an expert at an
+  epoch. Our view keeps, per expert, the best claim we ever saw: the higher epoch, and at
+  one epoch the lower ``lease_rank`` (a hash, so no peer always wins a tie); a replayed or
+  deleted claim changes nothing in the view and is written back like a member record
+  (``stale_leases``, ``restore_leases``). Whether a claim's owner may train the expert is
+  the algorithm's rule, not the document's (node/algorithms/spes/leases.py).
+
 Liveness (heartbeats) is not in the document: every write leaves a tombstone.
 """
 
@@ -55,7 +65,7 @@ from protocol.runstate import crdt_check
 
 PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")  # base58btc
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
-ROOTS = ("manifest", "members")
+ROOTS = ("manifest", "members", "leases")
 # The run's settings are a few hundred bytes (training/settings.py checks what they say).
 MAX_SETTINGS_NBYTES = 4096
 ROLES = frozenset({"trainer", "bootstrap", "observer"})
@@ -71,11 +81,19 @@ MAX_DOC_NBYTES = 2 << 20
 MAX_UPDATE_STRUCTS = 4 * MAX_MEMBERS + 256
 # 2**53: integers above this do not survive pycrdt's float conversion exactly.
 MAX_SAFE_INT = 1 << 53
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Of this document's layout: 3 = signed manifest and member records (seq, sig);
-4 = the manifest's settings as one blob (every setting of training/settings.py)."""
+4 = the manifest's settings as one blob (every setting of training/settings.py);
+5 = expert leases (SPES)."""
 MANIFEST_DOMAIN = "swarmtrain/manifest/4"
 MEMBER_DOMAIN = "swarmtrain/member/3"
+LEASE_DOMAIN = "swarmtrain/lease/1"
+# Leases are keyed by expert index: a document holds at most this many (a stranger's
+# claims on made-up experts cost ≈ 150 bytes each, well inside MAX_DOC_NBYTES).
+MAX_EXPERTS = 1024
+# Epochs only grow by one per hand-over; this leaves room for any honest run and keeps
+# every value exact through pycrdt's floats.
+MAX_EPOCH = 1 << 40
 T = TypeVar("T")
 # A panic in yrs prints a backtrace when this is 1: 4 KiB of stderr and ≈1 ms per hostile
 # update, a log flood a stranger controls. Read by Rust at the first panic: set it now.
@@ -129,6 +147,43 @@ class MemberRecord:
 
     def newer_than(self, other: "MemberRecord | None") -> bool:
         return other is None or self.seq > other.seq
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    expert: int
+    owner: str
+    epoch: int
+    """One more than the epoch of the claim it replaces (1 for an expert's first)."""
+    round: int
+    """The owner's round when it claimed the expert."""
+    sig: bytes = b""
+
+    def signed_fields(self, run_id: str) -> list[Any]:
+        return [run_id, self.expert, self.owner, self.epoch, self.round]
+
+
+def lease_rank(run_id: str, record: LeaseRecord) -> bytes:
+    """Ties at one epoch go to the lowest rank: a hash, so which peer wins varies."""
+    material = json.dumps([run_id, record.expert, record.epoch, record.owner]).encode()
+    return hashlib.sha256(material).digest()
+
+
+def better_lease(run_id: str, record: LeaseRecord, other: LeaseRecord | None) -> bool:
+    """Whether ``record`` replaces ``other`` for its expert: a higher epoch, or the lower rank at one."""
+    if other is None:
+        return True
+    if record.epoch != other.epoch:
+        return record.epoch > other.epoch
+    return lease_rank(run_id, record) < lease_rank(run_id, other)
+
+
+def sign_lease(record: LeaseRecord, seed: bytes, run_id: str) -> LeaseRecord:
+    """``record`` signed with the node key ``seed`` (which must be the record's owner)."""
+    if keys.peer_id_of(seed) != record.owner:
+        raise ValueError("a lease is signed by its owner")
+    unsigned = replace(record, sig=b"")
+    return replace(unsigned, sig=keys.sign(seed, LEASE_DOMAIN, unsigned.signed_fields(run_id)))
 
 
 def sign_member(record: MemberRecord, seed: bytes, run_id: str) -> MemberRecord:
@@ -236,6 +291,24 @@ def parse_member(key: str, raw: Any, run_id: str) -> MemberRecord:
     return record
 
 
+def parse_lease(key: str, raw: Any, run_id: str) -> LeaseRecord:
+    """A lease from the document, its owner's signature checked."""
+    _need(isinstance(raw, dict), f"lease {key[:16]!r} is not a map")
+    expected = {f.name for f in fields(LeaseRecord)}
+    _need(set(raw) == expected, f"lease {key[:16]!r} has fields {sorted(raw)[:10]}")
+    expert = _as_int(raw["expert"], "lease.expert", hi=MAX_EXPERTS - 1)
+    _need(key == str(expert), f"lease under {key[:16]!r} is for expert {expert}")
+    record = LeaseRecord(
+        expert=expert,
+        owner=_as_str(raw["owner"], "lease.owner", 64, PEER_ID_PATTERN),
+        epoch=_as_int(raw["epoch"], "lease.epoch", lo=1, hi=MAX_EPOCH),
+        round=_as_int(raw["round"], "lease.round"),
+        sig=_as_sig(raw["sig"], "lease.sig"),
+    )
+    keys.verify(record.owner, record.sig, LEASE_DOMAIN, record.signed_fields(run_id))
+    return record
+
+
 def _root_maps(doc: Doc[Any]) -> dict[str, Any]:
     """Each known root's content; ``BadMessage`` for an unknown root or one of another type.
 
@@ -253,15 +326,27 @@ def _root_maps(doc: Doc[Any]) -> dict[str, Any]:
     return content
 
 
-def _read(doc: Doc[Any], run_id: str) -> tuple[Manifest | None, dict[str, MemberRecord]]:
+@dataclass(frozen=True, slots=True)
+class Content:
+    """What a valid document holds."""
+
+    manifest: Manifest | None
+    members: dict[str, MemberRecord]
+    leases: dict[int, LeaseRecord]
+
+
+def _read(doc: Doc[Any], run_id: str) -> Content:
     """Validate a whole document; ``BadMessage`` names the first thing wrong with it."""
     content = _crdt("unreadable document", lambda: _root_maps(doc))
     raw_manifest = content.get("manifest") or {}
     raw_members = content.get("members") or {}
+    raw_leases = content.get("leases") or {}
     manifest = parse_manifest(raw_manifest) if raw_manifest else None
     _need(manifest is None or manifest.run_id == run_id, "manifest belongs to another run")
     members = {key: parse_member(key, value, run_id) for key, value in raw_members.items()}
-    return manifest, members
+    _need(len(raw_leases) <= MAX_EXPERTS, f"more than {MAX_EXPERTS} leases")
+    leases = [parse_lease(key, value, run_id) for key, value in raw_leases.items()]
+    return Content(manifest, members, {lease.expert: lease for lease in leases})
 
 
 class RunState:
@@ -279,6 +364,9 @@ class RunState:
         """The member records the document shows now."""
         self._members: dict[str, MemberRecord] = {}
         """Our view: per author, the newest record we ever saw (minus evicted ones)."""
+        self._leases_in_doc: dict[int, LeaseRecord] = {}
+        self._leases: dict[int, LeaseRecord] = {}
+        """Our view: per expert, the best claim we ever saw (``better_lease``)."""
         self._digest = self._compute_digest()
         self._changed = trio.Event()
         self.num_changes = 0
@@ -294,6 +382,10 @@ class RunState:
         return dict(self._members)
 
     @property
+    def leases(self) -> dict[int, LeaseRecord]:
+        return dict(self._leases)
+
+    @property
     def digest(self) -> str:
         """A hash of the document's content (manifest and member records): equal digests
         mean nothing to pull. The view (``members``) may hold more (see ``stale``)."""
@@ -302,6 +394,10 @@ class RunState:
     def stale(self) -> list[str]:
         """Authors whose record in the document is older than ours, or gone from it."""
         return sorted(p for p, r in self._members.items() if r.newer_than(self._in_doc.get(p)))
+
+    def stale_leases(self) -> list[int]:
+        """Experts whose claim in the document is worse than our view's, or gone from it."""
+        return sorted(e for e, r in self._leases.items() if r != self._leases_in_doc.get(e))
 
     def state_vector(self) -> bytes:
         return bytes(self._doc.get_state())
@@ -349,6 +445,20 @@ class RunState:
         todo = [p for p in peer_ids if p in self._members and self._members[p].newer_than(self._in_doc.get(p))]
         return self._write("members", [(p, _member_value(self._members[p])) for p in todo]) if todo else b""
 
+    def put_lease(self, record: LeaseRecord) -> bytes:
+        """Write our signed claim (``sign_lease``); it must beat the view's claim on its expert."""
+        keys.verify(record.owner, record.sig, LEASE_DOMAIN, record.signed_fields(self.run_id))
+        if not 0 <= record.expert < MAX_EXPERTS or not 1 <= record.epoch <= MAX_EPOCH:
+            raise ValueError(f"lease on expert {record.expert} at epoch {record.epoch} is out of range")
+        if not better_lease(self.run_id, record, self._leases.get(record.expert)):
+            raise ValueError(f"expert {record.expert} already has a lease as good as epoch {record.epoch}")
+        return self._write("leases", [(str(record.expert), asdict(record))])
+
+    def restore_leases(self, experts: Iterable[int]) -> bytes:
+        """Write our view's claim on each of ``experts`` back (those ``stale_leases`` named)."""
+        todo = [e for e in experts if e in self._leases and self._leases[e] != self._leases_in_doc.get(e)]
+        return self._write("leases", [(str(e), asdict(self._leases[e])) for e in todo]) if todo else b""
+
     def evict(self, peer_ids: Iterable[str]) -> bytes:
         """Remove records from the document and our view (the silent oldest, past
         ``MAX_MEMBERS``); an evicted member comes back with a newer record."""
@@ -377,20 +487,20 @@ class RunState:
         _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
         theirs = crdt_check.check_state_vector(bytes(_crdt("unreadable state", scratch.get_state)))
         _need(all(theirs.get(c, 0) >= clock for c, clock in ours.items()), "update would move a clock back")
-        manifest, in_doc = _read(scratch, self.run_id)
-        _need(self._manifest is None or manifest == self._manifest, "update would change the run manifest")
+        content = _read(scratch, self.run_id)
+        _need(self._manifest is None or content.manifest == self._manifest, "update would change the run manifest")
         encoded = bytes(_crdt("unencodable document", scratch.get_update))
         if len(encoded) > MAX_DOC_NBYTES:
             raise Overfull(f"the document would hold {len(encoded)} bytes, over {MAX_DOC_NBYTES}")
-        if theirs == ours and self._manifest == manifest and self._in_doc == in_doc:
+        if theirs == ours and content == Content(self._manifest, self._in_doc, self._leases_in_doc):
             return False  # nothing new: keep the document as it was, byte for byte
         # What we adopt must also load again (the next update starts from it, newcomers and
         # the save file get it): yrs accepted updates whose export it could not read back.
         check: Doc[Any] = Doc()
         _crdt("document does not load again", lambda: check.apply_update(encoded))
-        _need(_read(check, self.run_id) == (manifest, in_doc), "document reads differently once reloaded")
+        _need(_read(check, self.run_id) == content, "document reads differently once reloaded")
         self._doc, self._good = scratch, encoded
-        self._adopt(manifest, in_doc)
+        self._adopt(content)
         return True
 
     def load(self, update: bytes) -> None:
@@ -406,18 +516,21 @@ class RunState:
                     target.pop(key, None)
                 else:
                     target[key] = value
-        manifest, in_doc = _read(self._doc, self.run_id)
+        content = _read(self._doc, self.run_id)
         self._good = bytes(self._doc.get_update())
-        self._adopt(manifest, in_doc)
+        self._adopt(content)
         return bytes(self._doc.get_update(before))
 
-    def _adopt(self, manifest: Manifest | None, in_doc: dict[str, MemberRecord]) -> None:
-        self._manifest, self._in_doc = manifest, in_doc
-        view_before = self._members
-        self._members = dict(view_before)
-        for peer_id, record in in_doc.items():
+    def _adopt(self, content: Content) -> None:
+        self._manifest, self._in_doc, self._leases_in_doc = content.manifest, content.members, content.leases
+        self._members = dict(self._members)
+        for peer_id, record in content.members.items():
             if record.newer_than(self._members.get(peer_id)):
                 self._members[peer_id] = record
+        self._leases = dict(self._leases)
+        for expert, lease in content.leases.items():
+            if better_lease(self.run_id, lease, self._leases.get(expert)):
+                self._leases[expert] = lease
         self._note_change()
 
     def _note_change(self) -> None:
@@ -430,6 +543,7 @@ class RunState:
         content = {
             "manifest": _jsonable(asdict(self._manifest)) if self._manifest else None,
             "members": {k: _jsonable(asdict(v)) for k, v in sorted(self._in_doc.items())},
+            "leases": {str(k): _jsonable(asdict(v)) for k, v in sorted(self._leases_in_doc.items())},
         }
         canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()[:16]

@@ -67,3 +67,31 @@ async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(sho
         # Its victims gave up on it after NO_SHOW_S (not the pairing bound) and penalized it:
         # it paired in most of the 6 rounds, with 3 honest nodes, so one had it twice: banned.
         assert any(n.peers.is_banned(hostile.peer_id) for n in honest)
+
+
+async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_replaced(short_tmp: Path) -> None:
+    from bench.attacks import poison_experts
+    from node.algorithms.spes import Spes
+
+    spes = {
+        **TRAINING,
+        "run__settings__algorithm": "spes",
+        "run__settings__model": "micro-moe",
+        "run__settings__rounds": 8,
+    }
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, spes, run_name="adv")
+        *honest, hostile = nodes
+        await poison_experts(hostile, 1000.0)
+        await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
+        for node in honest:
+            assert node.training is not None and isinstance(node.training.algorithm, Spes)
+            status = node.training.status()
+            assert status is not None and math.isfinite(status["final_loss"])
+            assert status["final_loss"] < status["loss_curve"][0][1]
+            assert not any(node.peers.is_banned(o.peer_id) for o in honest)
+            # Its versions were refused wherever the worker saw them, and it was banned there.
+            assert node.peers.is_banned(hostile.peer_id) == (status["expert_versions_refused"] > 0)
+            leases = node.run_service.state.leases if node.run_service else {}
+            assert hostile.peer_id not in {lease.owner for lease in leases.values()}
+        assert all(n.peers.is_banned(hostile.peer_id) for n in honest)

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,10 +32,22 @@ class Outer:
 
     used_peer: bool
     rejected: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More fields for ``outer_done`` (SPES: the expert versions it refused)."""
 
 
 OuterStep = Callable[[Trainer, dict[str, Any], torch.Tensor, dict[str, list[torch.Tensor]]], Outer]
 """(trainer, the ``outer_go`` command, the inbox as uint8, the Δs accumulated this round)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """What an algorithm adds before the first round (SPES: its experts block, and which
+    experts to train): more fields for ``ready``, and a handler for the daemon's one
+    ``setup`` command that follows it."""
+
+    ready_fields: dict[str, Any]
+    setup: Callable[[dict[str, Any]], None]
 
 
 def resume(config: WorkerConfig, trainer: Trainer) -> None:
@@ -120,8 +132,10 @@ def run_rounds(
     commands: BinaryIO,
     replies: BinaryIO,
     outer: OuterStep,
+    opening: Callable[[], Opening] | None = None,
 ) -> None:
-    """Resume, then rounds until the run's last, with shared-memory out- and inboxes."""
+    """Resume, then rounds until the run's last, with shared-memory out- and inboxes.
+    ``opening``: called once resumed, for what the algorithm adds before the first round."""
     asked = ask_start_from(config, commands, replies)
     if asked is None:
         return
@@ -131,7 +145,7 @@ def run_rounds(
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     try:
-        _rounds(config, trainer, outbox, inbox, commands, replies, outer)
+        _rounds(config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening())
     finally:
         for block in (outbox, inbox):
             block.close()
@@ -146,6 +160,7 @@ def _rounds(
     commands: BinaryIO,
     replies: BinaryIO,
     outer: OuterStep,
+    opening: Opening | None,
 ) -> None:
     # Tensors over the shared blocks live only in this frame, and are deleted on the way
     # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
@@ -159,7 +174,15 @@ def _rounds(
             outbox=outbox.name,
             inbox=inbox.name,
             round=trainer.round,
+            **({} if opening is None else opening.ready_fields),
         )
+        if opening is not None and trainer.round < config.run.rounds:
+            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+            if command["t"] == "stop":
+                return
+            if command["t"] != "setup":
+                raise ipc.IpcError(f"{command['t']} before the first round (expected setup)")
+            opening.setup(command)
         for round_index in range(trainer.round, config.run.rounds):
             started = time.perf_counter()
             train_loss = trainer.inner_steps()
@@ -182,6 +205,7 @@ def _rounds(
                 val_loss=val_loss,
                 compute_s=compute_s,
                 step=trainer.step,
+                memory=trainer.memory(),
             )
             collected: dict[str, list[torch.Tensor]] = {}
             while True:
@@ -207,6 +231,7 @@ def _rounds(
                 used_peer=result.used_peer,
                 rejected=result.rejected,
                 save_error=save_error,
+                **result.extra,
             )
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:

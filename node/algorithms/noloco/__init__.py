@@ -67,7 +67,13 @@ class Noloco(PayloadRounds):
             done["val_loss"],
             (f"pulled from {partner}" if pulled else f"paired with {partner}") if partner else "alone",
         )
-        await worker.send("outer_go", round=round_index, peer=partner is not None)
+        await worker.send(
+            "outer_go", round=round_index, peer=partner is not None, **await self.outer_fields(round_index)
+        )
+
+    async def outer_fields(self, round_index: int) -> dict[str, Any]:
+        """More for this round's ``outer_go`` (SPES: experts to train and to swap in)."""
+        return {}
 
     async def judge(self, done: dict[str, Any]) -> None:
         rejected = done.get("rejected")

@@ -59,6 +59,10 @@ class Zo:
         return {"bytes_sent": 0, "bytes_received": 0, **self.rounds.status()}
 
     @staticmethod
+    def summary(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
     def settled(statuses: list[dict[str, Any]]) -> bool:
         """Every node holds the same log and has applied all of it (late updates keep
         arriving after the last round; the final weights follow them)."""

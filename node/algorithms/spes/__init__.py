@@ -1,0 +1,199 @@
+"""SPES, daemon side: NoLoCo on the shared weights, leased experts published and fetched.
+
+Each round boundary (the worker's ``round_done``), on top of NoLoCo's pairing for the
+shared weights (node/algorithms/noloco/):
+1. our owned experts, just written to the experts block by the worker, are published as
+   this round's versions (node/algorithms/spes/experts.py: signed heads, served to anyone);
+2. the lease rule runs (node/algorithms/spes/leases.py) over the live trainers that have
+   not lapsed, and we claim what it gives us; what our best-known claims name us owner of
+   is what the worker trains next round;
+3. every frozen expert (and one we just gained) whose newest fetched version is newer than
+   the worker's copy goes into its slot, and ``outer_go`` names those (``swap``) with the
+   owned set. A version the worker refuses (non-finite, out of bounds) bans its signer.
+Versions arrive in the background: every live trainer is asked for its heads every half
+second and versions newer than ours, signed by the expert's owner now, are fetched (two at
+a time), so there is no barrier: a slow owner delays nobody, and a node that missed
+versions takes the newest at its next boundary. Joiners and restarts get their state as
+NoLoCo's do (node/algorithms/joining.py: the saved state holds every expert), then the
+versions published since.
+"""
+
+import logging
+from typing import Any
+
+import trio
+
+from node.algorithms.base import Context
+from node.algorithms.noloco import Noloco
+from node.algorithms.spes.experts import ExpertStore, Head
+from node.algorithms.spes.leases import LeaseKeeper, Progress
+from node.supervisor import WorkerConnection, WorkerGone, attach_block
+from protocol.net.peers import BAN_POINTS
+from protocol.runstate.state import MAX_EXPERTS
+
+logger = logging.getLogger("node.training")
+
+
+class Spes(Noloco):
+    REPORT_KEYS = (
+        *Noloco.REPORT_KEYS,
+        *("owned_experts", "trainable_params", "total_params", "optimizer_state_bytes", "grad_bytes"),
+        *("expert_versions_fetched", "expert_versions_refused", "expert_bytes_sent", "expert_bytes_received"),
+        *("memory_curve", "leases", "releases"),
+    )
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
+        self.keeper = LeaseKeeper(
+            ctx.state, seed=ctx.identity_seed, peer_id=ctx.host.peer_id, lapse_rounds=ctx.run.spes.lapse_rounds
+        )
+        self.owned: list[int] = []
+        """What the worker trains (this round)."""
+        self._worker_rounds: list[int] = []
+        """The round of the version the worker holds of each expert (-1: genesis)."""
+        self._swapped: dict[int, Head] = {}
+        """This round's swaps: what the worker was handed, to blame a refused version's signer."""
+        self._block: Any = None
+        self.versions_refused = 0
+        self.memory_curve: list[list[int]] = []
+        """[round, experts owned, gradient bytes, optimizer-state bytes] at each round's end."""
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        await super().serve(nursery)
+        self.store.register()
+        nursery.start_soon(self.store.sync_forever, self.ctx.partners, self._wanted)
+
+    def _wanted(self, head: Head) -> bool:
+        """A version signed by the expert's owner in our view, of an expert we do not train."""
+        lease = self.ctx.state.leases.get(head.expert)
+        return lease is not None and lease.owner == head.owner and head.expert not in self.owned
+
+    def ready(self, worker: WorkerConnection) -> None:
+        fields = worker.ready
+        num_experts, nbytes = fields.get("num_experts"), fields.get("expert_nbytes")
+        if not (type(num_experts) is int and 0 < num_experts <= MAX_EXPERTS and type(nbytes) is int and nbytes > 0):
+            raise WorkerGone(f"a SPES worker's ready names {num_experts!r} experts of {nbytes!r} bytes")
+        held = fields.get("held_rounds")
+        self.store.configure(num_experts, nbytes)
+        self.keeper.num_experts = num_experts
+        self._worker_rounds = list(held) if isinstance(held, list) and len(held) == num_experts else [-1] * num_experts
+        if self._block is not None:
+            self._block.close()
+        self._block = attach_block(str(fields.get("experts")))
+        super().ready(worker)
+
+    async def opening(self, worker: WorkerConnection) -> None:
+        self.store.round = worker.start_round
+        self.owned = await self._lease(worker.start_round)
+        await worker.send("setup", owned=self.owned)
+
+    async def _lease(self, round_index: int) -> list[int]:
+        """Run the rule, write our claims, and say what we train now."""
+        store = self.store
+        progress = Progress(store.newest_by_owner, store.reported, store.answered)
+        active = self.keeper.active(self.ctx.partners(), progress, round_index, now=trio.current_time())
+        updates = self.keeper.claims(self.keeper.owners(active), round_index)
+        if self.ctx.run_service is not None:
+            for update in updates:
+                await self.ctx.run_service.push(update)
+        return self.keeper.mine()
+
+    async def exchange(
+        self, worker: WorkerConnection, done: dict[str, Any], outbox: memoryview, inbox: memoryview
+    ) -> None:
+        round_index = int(done["round"])
+        memory = self.ctx.metrics.memory
+        self.memory_curve.append(
+            [round_index, len(self.owned), memory.get("grad_bytes", 0), memory.get("optimizer_state_bytes", 0)]
+        )
+        nbytes = self.store.expert_nbytes
+        for expert in self.owned:
+            data = bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes])
+            self.store.publish(self.ctx.identity_seed, expert, round_index, data)
+            self._worker_rounds[expert] = round_index
+        self.store.round = round_index + 1
+        await super().exchange(worker, done, outbox, inbox)
+
+    async def outer_fields(self, round_index: int) -> dict[str, Any]:
+        trained = set(self.owned)
+        self.owned = await self._lease(round_index + 1)
+        nbytes = self.store.expert_nbytes
+        swaps = []
+        self._swapped = {}
+        for expert, held in sorted(self.store.held.items()):
+            if expert in trained or held.head.owner == self.ctx.host.peer_id:
+                continue  # the worker trained it this round (or it is our own): its copy is the newest
+            if held.head.round <= self._worker_rounds[expert]:
+                continue
+            self._block.buf[expert * nbytes : (expert + 1) * nbytes] = held.data
+            swaps.append([expert, held.head.round])
+            self._swapped[expert] = held.head
+        return {"owned": self.owned, "swap": swaps}
+
+    async def judge(self, done: dict[str, Any]) -> None:
+        await super().judge(done)
+        refused = done.get("rejected_experts") or []
+        refused_experts = set()
+        for item in refused if isinstance(refused, list) else []:
+            expert, reason = (item[0], item[2]) if isinstance(item, list) and len(item) == 3 else (None, None)
+            head = self._swapped.get(expert) if type(expert) is int else None
+            if head is None:
+                continue
+            refused_experts.add(expert)
+            self.versions_refused += 1
+            self.store.forget(head)
+            logger.warning(
+                "round %s: refused expert %d's version from %s: %s", done.get("round"), expert, head.owner, reason
+            )
+            await self.ctx.host.punish(head.owner, f"expert version refused: {str(reason)[:200]}", points=BAN_POINTS)
+        for expert, head in self._swapped.items():
+            if expert not in refused_experts:
+                self._worker_rounds[expert] = head.round
+        self._swapped = {}
+
+    def traffic(self) -> dict[str, Any]:
+        shared = super().traffic()
+        return {
+            "bytes_sent": shared["bytes_sent"] + self.store.bytes_sent,
+            "bytes_received": shared["bytes_received"] + self.store.bytes_received,
+        }
+
+    def status(self) -> dict[str, Any]:
+        memory = self.ctx.metrics.memory
+        return {
+            **super().status(),
+            "owned_experts": list(self.owned),
+            "trainable_params": memory.get("trainable_params"),
+            "total_params": memory.get("total_params"),
+            "optimizer_state_bytes": memory.get("optimizer_state_bytes"),
+            "grad_bytes": memory.get("grad_bytes"),
+            "expert_versions_fetched": self.store.fetched,
+            "expert_versions_refused": self.versions_refused,
+            "expert_bytes_sent": self.store.bytes_sent,
+            "expert_bytes_received": self.store.bytes_received,
+            "memory_curve": self.memory_curve,
+            "leases": {str(e): [r.owner, r.epoch] for e, r in sorted(self.ctx.state.leases.items())},
+            "releases": [r.report() for r in self.keeper.releases],
+        }
+
+    @staticmethod
+    def summary(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        """Top-level report: each expert's owner at the end (the best claim any node saw)
+        and every hand-over any node saw (once each)."""
+        best: dict[str, tuple[int, str]] = {}
+        for status in statuses:
+            for expert, (owner, epoch) in (status.get("leases") or {}).items():
+                if expert not in best or epoch > best[expert][0]:
+                    best[expert] = (epoch, owner)
+        releases: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for status in statuses:
+            for release in status.get("releases") or []:
+                releases.setdefault((release["expert"], release["to"], release["round"]), release)
+        return {
+            "expert_owners": {e: owner for e, (_, owner) in sorted(best.items(), key=lambda kv: int(kv[0]))},
+            "releases": sorted(releases.values(), key=lambda r: (r["round"], r["expert"])),
+        }
+
+
+ALGORITHM = Spes

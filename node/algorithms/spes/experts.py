@@ -1,0 +1,334 @@
+"""Expert versions: each round an owner publishes its experts; the others fetch what they lack.
+
+Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
+
+    asker                                           holder
+    {t: "heads?", v: 1, run}             ─────────▶
+                                         ◀───────── {t: "heads", v: 1, round, heads: [[expert,
+                                                     owner, round, sha256, sig], ...]}
+                                                     (the newest version of each expert it
+                                                     holds, its own or fetched: any holder
+                                                     serves a version; round: the holder's)
+    {t: "get", v: 1, run, expert, sha256} ─────────▶
+                                         ◀───────── {t: "expert", v: 1, nbytes} then nbytes raw
+                                                     bytes (float32, training/spes.py's flat
+                                                     layout of one expert), or {t: "gone", v: 1}
+
+A head is its owner's ed25519 signature over (run, expert, owner, round, sha256), so a
+holder can relay a version but never make one up: the asker checks the signature before it
+wants the bytes, and the bytes against the sha256 before it keeps them. Which heads are
+wanted (signed by the expert's owner now, newer than what we hold) is the algorithm's call
+(node/algorithms/spes/__init__.py); the worker then bounds the values before they replace
+its copy (training/spes.py ``check_version``), and a refused version costs its signer.
+
+Bounds: ``nbytes`` must be the run's expert size (known from the worker) before a byte is
+allocated; at most MAX_PARALLEL_FETCHES transfers at once (the fan-out cap: a node behind
+fetches its versions a few at a time, never all at once from everyone); heads are asked of
+live trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
+(``Host.tensor_refusal``), capped by the node's upload limit.
+"""
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from protocol import keys, wire
+from protocol.errors import BadMessage, ProtocolError
+from protocol.net.host import Host, Stream
+from protocol.ratelimit import UNLIMITED, RateLimit
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/swarmtrain/experts/1.0.0"
+VERSION = 1
+DOMAIN = "swarmtrain/expert-version/1"
+# Experts of a run: leases allow at most this many (protocol/runstate/state.py MAX_EXPERTS).
+MAX_EXPERTS = 1024
+MAX_ROUND = 1 << 40
+HEADER_TIMEOUT_S = 10.0
+# gpt-125m-moe's expert is 113 MB: minutes on a slow uplink.
+TRANSFER_TIMEOUT_S = 600.0
+CHUNK_NBYTES = 1 << 20
+MAX_PARALLEL_FETCHES = 2
+# Heads are small (≈ 130 bytes an expert): asked of every live trainer this often.
+SYNC_INTERVAL_S = 0.5
+SHA256_NBYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """One published version of an expert, signed by its owner."""
+
+    expert: int
+    owner: str
+    round: int
+    sha256: bytes
+    sig: bytes
+
+    def signed_fields(self, run_id: str) -> list[object]:
+        return [run_id, self.expert, self.owner, self.round, self.sha256]
+
+    def wire(self) -> list[object]:
+        return [self.expert, self.owner, self.round, self.sha256, self.sig]
+
+
+def sign_head(seed: bytes, run_id: str, expert: int, round_index: int, data: bytes) -> Head:
+    owner = keys.peer_id_of(seed)
+    unsigned = Head(expert, owner, round_index, hashlib.sha256(data).digest(), b"")
+    return Head(expert, owner, round_index, unsigned.sha256, keys.sign(seed, DOMAIN, unsigned.signed_fields(run_id)))
+
+
+def parse_head(item: object, run_id: str) -> Head:
+    """A head from a peer, its owner's signature checked; ``BadMessage`` if anything is off."""
+    if not (isinstance(item, list) and len(item) == 5):
+        raise BadMessage("a head is [expert, owner, round, sha256, sig]")
+    expert, owner, round_index, sha256, sig = item
+    if not (type(expert) is int and 0 <= expert < MAX_EXPERTS and type(round_index) is int):
+        raise BadMessage("a head's expert or round is not an integer in range")
+    if not 0 <= round_index <= MAX_ROUND:
+        raise BadMessage("a head's round is out of range")
+    if not (isinstance(owner, str) and len(owner) <= 64 and isinstance(sha256, bytes) and isinstance(sig, bytes)):
+        raise BadMessage("a head's owner, sha256 or signature has the wrong type")
+    if len(sha256) != SHA256_NBYTES or len(sig) != keys.SIGNATURE_NBYTES:
+        raise BadMessage("a head's sha256 or signature has the wrong length")
+    head = Head(expert, owner, round_index, sha256, sig)
+    keys.verify(owner, sig, DOMAIN, head.signed_fields(run_id))
+    return head
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    head: Head
+    data: bytes
+
+
+class ExpertStore:
+    """The newest version we hold of each expert (our own and fetched), served to peers."""
+
+    def __init__(self, host: Host, run_id: str, *, upload_limit: RateLimit = UNLIMITED) -> None:
+        self._host = host
+        self._run_id = run_id
+        self._upload_limit = upload_limit
+        self.num_experts = 0
+        self.expert_nbytes = 0
+        """Known once our worker is ready: until then we hold, serve and fetch nothing."""
+        self.round = 0
+        """Our round, told to askers."""
+        self.held: dict[int, Held] = {}
+        self.newest_by_owner: dict[str, int] = {}
+        """The newest round of any version we saw signed by each owner."""
+        self.reported: dict[str, int] = {}
+        """Each peer's own round, as it last told us (its heads)."""
+        self.answered: dict[str, tuple[int, float]] = {}
+        """Our round and the time when each peer last answered us: an owner that misses its
+        rounds, or stops answering, loses its leases (node/algorithms/spes/leases.py)."""
+        self.fetched = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.changed = trio.Event()
+        """Set when a version arrives: take it before checking, then wait."""
+        self._fetches = trio.CapacityLimiter(MAX_PARALLEL_FETCHES)
+
+    def register(self) -> None:
+        self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
+
+    def configure(self, num_experts: int, expert_nbytes: int) -> None:
+        if not (0 < num_experts <= MAX_EXPERTS and expert_nbytes > 0):
+            raise ValueError(f"{num_experts} experts of {expert_nbytes} bytes")
+        self.num_experts, self.expert_nbytes = num_experts, expert_nbytes
+
+    def publish(self, seed: bytes, expert: int, round_index: int, data: bytes) -> Head:
+        """Our own version of an expert we own (the worker's slot, copied)."""
+        if len(data) != self.expert_nbytes:
+            raise ValueError(f"an expert is {self.expert_nbytes} bytes, got {len(data)}")
+        head = sign_head(seed, self._run_id, expert, round_index, data)
+        self._keep(Held(head, data))
+        return head
+
+    def _keep(self, held: Held) -> None:
+        self.held[held.head.expert] = held
+        self.saw(held.head)
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def saw(self, head: Head) -> None:
+        """A verified head: how far its owner has come."""
+        self.newest_by_owner[head.owner] = max(self.newest_by_owner.get(head.owner, -1), head.round)
+
+    async def heads(self, peer_id: str) -> tuple[int, list[Head]]:
+        """``peer_id``'s round and the versions it holds (each verified). Raises
+        ``ProtocolError``, already judged."""
+        with trio.move_on_after(HEADER_TIMEOUT_S) as scope:
+            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
+            try:
+                await wire.send(stream, "heads?", VERSION, {"run": self._run_id})
+                reply = await wire.receive(
+                    stream, msg_types=frozenset({"heads"}), version=VERSION, max_nbytes=256 * MAX_EXPERTS
+                )
+                round_index = wire.get_int(reply, "round", lo=0, hi=MAX_ROUND)
+                raw = reply.get("heads")
+                if not isinstance(raw, list) or len(raw) > MAX_EXPERTS:
+                    raise BadMessage(f"heads must be a list of at most {MAX_EXPERTS}")
+                heads = [parse_head(item, self._run_id) for item in raw]
+                if len({h.expert for h in heads}) != len(heads):
+                    raise BadMessage("heads name an expert twice")
+            except ProtocolError as exc:
+                await stream.reset()
+                await self._host.guard.judge(peer_id, "expert heads", exc)
+                raise
+            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
+                await stream.reset()
+                raise
+            await stream.close()
+        if scope.cancelled_caught:
+            raise ProtocolError(f"expert heads from {peer_id} timed out")
+        for head in heads:
+            self.saw(head)
+        self.reported[peer_id] = round_index
+        self.answered[peer_id] = (self.round, trio.current_time())
+        return round_index, heads
+
+    async def fetch(self, peer_id: str, head: Head) -> bool:
+        """The bytes of ``head`` from ``peer_id`` (who listed it); False if it no longer has
+        them. Raises ``ProtocolError``, already judged (bytes that do not hash as signed)."""
+        if self.expert_nbytes == 0 or not 0 <= head.expert < self.num_experts:
+            return False
+        async with self._fetches:
+            with trio.move_on_after(TRANSFER_TIMEOUT_S) as scope:
+                stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
+                try:
+                    request = {"run": self._run_id, "expert": head.expert, "sha256": head.sha256}
+                    await wire.send(stream, "get", VERSION, request)
+                    with trio.fail_after(HEADER_TIMEOUT_S):
+                        reply = await wire.receive(
+                            stream, msg_types=frozenset({"expert", "gone"}), version=VERSION, max_nbytes=4096
+                        )
+                    if reply["t"] == "gone":
+                        await stream.close()
+                        return False
+                    wire.get_int(reply, "nbytes", lo=self.expert_nbytes, hi=self.expert_nbytes)
+                    data = await _receive(stream, self.expert_nbytes)
+                    if hashlib.sha256(data).digest() != head.sha256:
+                        raise BadMessage("the expert's bytes do not hash as its owner signed")
+                except ProtocolError as exc:
+                    await stream.reset()
+                    await self._host.guard.judge(peer_id, "expert fetch", exc)
+                    raise
+                except trio.TooSlowError as exc:
+                    await stream.reset()
+                    raise ProtocolError(f"{peer_id} did not answer for expert {head.expert} in time") from exc
+                except BaseException:
+                    await stream.reset()
+                    raise
+                await stream.close()
+            if scope.cancelled_caught:
+                raise ProtocolError(f"fetching expert {head.expert} from {peer_id} timed out")
+        self.bytes_received += len(data)
+        held = self.held.get(head.expert)
+        if held is None or _newer(head, held.head):
+            self.fetched += 1
+            self._keep(Held(head, data))
+        return True
+
+    def forget(self, head: Head) -> None:
+        """Drop a version the worker refused (we neither serve nor offer it again)."""
+        held = self.held.get(head.expert)
+        if held is not None and held.head == head:
+            del self.held[head.expert]
+
+    async def sync_forever(self, partners: Callable[[], list[str]], wanted: Callable[[Head], bool]) -> None:
+        """Ask every live trainer for its heads, again and again, and fetch each wanted
+        version that is newer than ours from a holder that listed it (a random one: owners
+        are not the only ones serving)."""
+        while True:
+            await self.sync_once(partners(), wanted)
+            await trio.sleep(SYNC_INTERVAL_S)
+
+    async def sync_once(self, peers: list[str], wanted: Callable[[Head], bool]) -> None:
+        if self.expert_nbytes == 0:
+            return
+        offers: dict[Head, list[str]] = {}
+
+        async def ask(peer_id: str) -> None:
+            try:
+                _, heads = await self.heads(peer_id)
+            except ProtocolError as exc:
+                logger.debug("no expert heads from %s: %s", peer_id, exc)
+                return
+            for head in heads:
+                offers.setdefault(head, []).append(peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in peers:
+                nursery.start_soon(ask, peer_id)
+        best: dict[int, Head] = {}
+        for head in offers:
+            held = self.held.get(head.expert)
+            if (
+                head.expert >= self.num_experts
+                or not wanted(head)
+                or (held is not None and not _newer(head, held.head))
+            ):
+                continue
+            if head.expert not in best or _newer(head, best[head.expert]):
+                best[head.expert] = head
+
+        async def get(head: Head) -> None:
+            holders = offers[head]
+            random.shuffle(holders)
+            for peer_id in holders:
+                try:
+                    if await self.fetch(peer_id, head):
+                        return
+                except ProtocolError as exc:
+                    logger.debug("expert %d from %s: %s", head.expert, peer_id, exc)
+
+        async with trio.open_nursery() as nursery:
+            for head in best.values():
+                nursery.start_soon(get, head)
+
+    async def _serve(self, stream: Stream) -> None:
+        with trio.fail_after(HEADER_TIMEOUT_S):
+            request = await wire.receive(
+                stream, msg_types=frozenset({"heads?", "get"}), version=VERSION, max_nbytes=4096
+            )
+        ours = wire.get_str(request, "run", max_len=64) == self._run_id
+        if request["t"] == "heads?":
+            heads = [held.head.wire() for _, held in sorted(self.held.items())] if ours else []
+            await wire.send(stream, "heads", VERSION, {"round": self.round, "heads": heads})
+            return
+        expert = wire.get_int(request, "expert", lo=0, hi=MAX_EXPERTS - 1)
+        sha256 = wire.get_bytes(request, "sha256", max_nbytes=SHA256_NBYTES)
+        held = self.held.get(expert)
+        refusal = self._host.tensor_refusal(stream.peer_id)
+        if not ours or held is None or held.head.sha256 != sha256 or refusal is not None:
+            await wire.send(stream, "gone", VERSION, {})
+            return
+        await wire.send(stream, "expert", VERSION, {"nbytes": len(held.data)})
+        limit = self._host.tensor_limit(stream.peer_id, self._upload_limit)
+        view = memoryview(held.data)
+        for start in range(0, len(view), CHUNK_NBYTES):
+            chunk = view[start : start + CHUNK_NBYTES]
+            await limit.take(len(chunk))
+            await stream.write(bytes(chunk))
+            self.bytes_sent += len(chunk)
+
+
+def _newer(head: Head, other: Head) -> bool:
+    """Versions of one expert: the later round wins (and, at one round, a hand-over's new owner)."""
+    return (head.round, head.owner) > (other.round, other.owner)
+
+
+async def _receive(stream: Stream, nbytes: int) -> bytes:
+    out = bytearray(nbytes)  # the size the run fixes, checked before this allocation
+    view = memoryview(out)
+    got = 0
+    while got < nbytes:
+        chunk = await stream.read_exact(min(CHUNK_NBYTES, nbytes - got))
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return bytes(out)

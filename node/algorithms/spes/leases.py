@@ -1,0 +1,196 @@
+"""Who trains which expert: the lease rule, the same on every node, and our claims.
+
+A lease is a signed claim in the run's document (protocol/runstate/state.py: expert →
+{owner, epoch, round, sig}); the view keeps the best claim per expert (higher epoch; at one
+epoch the lower hash rank). ``assign`` turns the view and the set of *active* trainers into
+an owner for every expert, a pure function, so every node that sees the same claims and the
+same active peers computes the same owners:
+
+1. An expert whose best claim names an active trainer stays with it.
+2. The others (never claimed, or their owner is no longer active) go, in expert order, each
+   to the active trainer holding fewest experts, ties broken by ``rank`` (a hash of the
+   run, the expert and the peer: no peer is always first).
+3. Then, while the most loaded trainer holds at least two more experts than the least
+   loaded, the least loaded takes one from the most loaded (ties by rank both ways): the
+   one of its experts that ranks first for the taker. A joiner is handed experts this way
+   until the load is even. Each move lowers the sum of squared loads, so this ends.
+
+Active: a trainer member that is live (heartbeats within the peer TTL), and that has not
+lapsed. An owner (it holds a lease claimed at least ``lapse_rounds`` rounds ago) lapses
+when it missed ``lapse_rounds`` of *its* rounds: its own round, as it tells askers, is that
+far past its newest version; or when it has not answered us for ``lapse_rounds`` of our
+rounds and at least ``SILENT_S`` (a killed node: well before its liveness expires; the
+floor keeps a busy peer whose answer is late from lapsing when rounds take a second). A slow owner that publishes each
+of its rounds never lapses: nodes train at their own pace, without a barrier. We are
+active while we train.
+
+A node writes a claim (epoch one above the view's, its own signature) for each expert the
+rule gives it that the view does not already give it; the old owner sees the better claim
+and lets the expert go at its next round boundary. When views differ for a moment (a peer's
+liveness expires a little sooner on one node), two nodes may claim one expert at one epoch:
+the lower rank wins everywhere once the document has merged, so every expert ends with one
+owner. Each expert has an owner as long as one trainer is active: rule 2 gives orphans out
+whenever anyone is. With more trainers than experts, some own none (they still train the
+shared weights and route through the frozen experts).
+
+Not defended yet: a member can claim experts it was not given (the view takes any signed
+claim of a higher epoch); if it then publishes nothing it lapses and loses them after
+``lapse_rounds``, and its versions are bounded by the worker like any other
+(training/spes.py), but it can keep taking them back.
+"""
+
+import hashlib
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from protocol.runstate.state import LeaseRecord, RunState, sign_lease
+
+logger = logging.getLogger("node.training")
+
+# An owner silent for its lapse rounds is lapsed only once it has been silent this long too.
+SILENT_S = 10.0
+
+
+def rank(run_id: str, expert: int, peer_id: str) -> bytes:
+    return hashlib.sha256(f"swarmtrain-lease\0{run_id}\0{expert}\0{peer_id}".encode()).digest()
+
+
+def assign(
+    num_experts: int, leases: Mapping[int, LeaseRecord], active: Sequence[str], *, run_id: str
+) -> dict[int, str]:
+    """Every expert's owner by the rule above; {} when nobody is active."""
+    if not active:
+        return {}
+    peers = sorted(set(active))
+    owners = {e: lease.owner for e, lease in leases.items() if e < num_experts and lease.owner in peers}
+    load = Counter({p: 0 for p in peers})
+    load.update(owners.values())
+    for expert in range(num_experts):
+        if expert not in owners:
+            chosen = min(peers, key=lambda p: (load[p], rank(run_id, expert, p)))
+            owners[expert] = chosen
+            load[chosen] += 1
+    while True:
+        most = min(peers, key=lambda p: (-load[p], rank(run_id, -1, p)))
+        least = min(peers, key=lambda p: (load[p], rank(run_id, -1, p)))
+        if load[most] - load[least] < 2:
+            return owners
+        expert = min((e for e, p in owners.items() if p == most), key=lambda e: rank(run_id, e, least))
+        owners[expert] = least
+        load[most] -= 1
+        load[least] += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """An expert changing hands, as the view saw it (``from_peer`` None: its first owner)."""
+
+    expert: int
+    from_peer: str | None
+    to_peer: str
+    round: int
+    epoch: int
+
+    def report(self) -> dict[str, object]:
+        return {"expert": self.expert, "from": self.from_peer, "to": self.to_peer, "round": self.round}
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What we know of each owner's progress (node/algorithms/spes/experts.py keeps it)."""
+
+    newest: Mapping[str, int]
+    """The round of its newest version we saw."""
+    reported: Mapping[str, int]
+    """Its own round, as it last told us."""
+    answered: Mapping[str, tuple[int, float]]
+    """Our round, and the time (trio's clock), when it last answered us."""
+
+
+def lapsed(
+    peer_id: str,
+    leases: Mapping[int, LeaseRecord],
+    progress: Progress,
+    our_round: int,
+    lapse_rounds: int,
+    *,
+    now: float,
+) -> bool:
+    """Whether ``peer_id``, as an owner, missed ``lapse_rounds`` of its rounds or went
+    silent for that many of ours (and ``SILENT_S``; see above)."""
+    held = [lease for lease in leases.values() if lease.owner == peer_id]
+    if not held:
+        return False
+    since = max(lease.round for lease in held)
+    if our_round - since < lapse_rounds:
+        return False
+    answered_round, answered_at = progress.answered.get(peer_id, (since, -math.inf))
+    silent = our_round - max(answered_round, since) >= lapse_rounds and now - answered_at >= SILENT_S
+    its_round = progress.reported.get(peer_id, since)
+    missed = its_round - since >= lapse_rounds and its_round - 1 - progress.newest.get(peer_id, -1) >= lapse_rounds
+    return silent or missed
+
+
+class LeaseKeeper:
+    """Our side of the rule: the owners now, the claims we must write, the hand-overs seen."""
+
+    def __init__(self, state: RunState, *, seed: bytes, peer_id: str, lapse_rounds: int) -> None:
+        self._state = state
+        self._seed = seed
+        self.peer_id = peer_id
+        self._lapse_rounds = lapse_rounds
+        self.num_experts = 0
+        self.releases: list[Release] = []
+        self._seen: dict[int, LeaseRecord] = {}
+
+    def active(self, trainers: Sequence[str], progress: Progress, our_round: int, *, now: float) -> list[str]:
+        """We (while training) and the live trainers that have not lapsed."""
+        leases = self._state.leases
+        others = [p for p in trainers if p != self.peer_id]
+        rounds = self._lapse_rounds
+        return sorted(
+            [self.peer_id, *(p for p in others if not lapsed(p, leases, progress, our_round, rounds, now=now))]
+        )
+
+    def owners(self, active: Sequence[str]) -> dict[int, str]:
+        return assign(self.num_experts, self._state.leases, active, run_id=self._state.run_id)
+
+    def claims(self, owners: Mapping[int, str], round_index: int) -> list[bytes]:
+        """Write our claim on each expert the rule gives us and the view does not; the
+        document updates to push."""
+        updates = []
+        leases = self._state.leases
+        for expert, owner in sorted(owners.items()):
+            lease = leases.get(expert)
+            if owner != self.peer_id or (lease is not None and lease.owner == self.peer_id):
+                continue
+            epoch = 1 if lease is None else lease.epoch + 1
+            record = sign_lease(LeaseRecord(expert, self.peer_id, epoch, round_index), self._seed, self._state.run_id)
+            try:
+                updates.append(self._state.put_lease(record))
+            except ValueError as exc:  # a better claim arrived meanwhile: the rule runs again next time
+                logger.info("no claim on expert %d: %s", expert, exc)
+                continue
+            logger.info(
+                "round %d: claimed expert %d (epoch %d, from %s)", round_index, expert, epoch, lease and lease.owner
+            )
+        self.observe()
+        return updates
+
+    def observe(self) -> None:
+        """Note every change of hands in the view since the last look."""
+        for expert, lease in sorted(self._state.leases.items()):
+            before = self._seen.get(expert)
+            if before != lease and (before is None or lease.owner != before.owner):
+                previous = None if before is None else before.owner
+                self.releases.append(Release(expert, previous, lease.owner, lease.round, lease.epoch))
+            self._seen[expert] = lease
+
+    def mine(self) -> list[int]:
+        """The experts our best-known claims give us."""
+        return sorted(
+            e for e, lease in self._state.leases.items() if lease.owner == self.peer_id and e < self.num_experts
+        )

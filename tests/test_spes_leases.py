@@ -1,0 +1,195 @@
+"""Expert leases: the rule every node computes alike, and the signed claims in the run document."""
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.algorithms.spes.leases import SILENT_S, LeaseKeeper, Progress, assign, lapsed
+from protocol import keys
+from protocol.errors import BadMessage
+from protocol.runstate.state import LeaseRecord, RunState, better_lease, sign_lease
+
+RUN = "leases-abc123"
+SEEDS = [bytes([i + 1]) * 32 for i in range(12)]
+PEERS = [keys.peer_id_of(s) for s in SEEDS]
+SEED_OF = dict(zip(PEERS, SEEDS, strict=True))
+
+
+def lease(expert: int, owner: str, epoch: int = 1, round_index: int = 0) -> LeaseRecord:
+    return sign_lease(LeaseRecord(expert, owner, epoch, round_index), SEED_OF[owner], RUN)
+
+
+def loads(owners: dict[int, str], active: list[str]) -> list[int]:
+    counts = Counter(owners.values())
+    return sorted(counts.get(p, 0) for p in active)
+
+
+@given(
+    num_experts=st.integers(1, 16),
+    num_active=st.integers(1, 8),
+    claims=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 11)), max_size=20),
+    order=st.randoms(use_true_random=False),
+)
+@settings(max_examples=200, deadline=None)
+def test_every_expert_has_one_active_owner_and_the_load_is_even(
+    num_experts: int, num_active: int, claims: list[tuple[int, int]], order: random.Random
+) -> None:
+    active = PEERS[:num_active]
+    leases = {e: lease(e, PEERS[p]) for e, p in claims}
+    owners = assign(num_experts, leases, active, run_id=RUN)
+    assert sorted(owners) == list(range(num_experts))
+    assert set(owners.values()) <= set(active)
+    counts = loads(owners, active)
+    assert counts[-1] - counts[0] <= 1
+    # The same on every node: whatever order the active peers are listed in.
+    shuffled = list(active)
+    order.shuffle(shuffled)
+    assert assign(num_experts, leases, shuffled, run_id=RUN) == owners
+
+
+def test_an_active_owner_keeps_its_experts_and_a_gone_ones_are_shared_out() -> None:
+    a, b, c, d = PEERS[:4]
+    leases = {e: lease(e, [a, b, c, d][e % 4]) for e in range(8)}
+    owners = assign(8, leases, [a, b, c, d], run_id=RUN)
+    assert owners == {e: lease.owner for e, lease in leases.items()}  # nothing moves while even
+    without_d = assign(8, leases, [a, b, c], run_id=RUN)
+    assert all(without_d[e] == owners[e] for e in owners if owners[e] != d)  # only d's two move
+    assert loads(without_d, [a, b, c]) == [2, 3, 3]
+
+
+def test_a_joiner_is_handed_experts_until_the_load_is_even() -> None:
+    a, b, c, joiner = PEERS[:4]
+    leases = {e: lease(e, [a, b, c][e % 3]) for e in range(8)}
+    owners = assign(8, leases, [a, b, c, joiner], run_id=RUN)
+    assert loads(owners, [a, b, c, joiner]) == [2, 2, 2, 2]
+    moved = [e for e in range(8) if owners[e] != leases[e].owner]
+    assert len(moved) == 2 and all(owners[e] == joiner for e in moved)
+
+
+def test_more_trainers_than_experts_leave_some_owning_none() -> None:
+    owners = assign(3, {}, PEERS[:5], run_id=RUN)
+    assert loads(owners, PEERS[:5]) == [0, 0, 1, 1, 1]
+    assert assign(3, {}, [], run_id=RUN) == {}
+
+
+def test_an_owner_lapses_after_missing_its_rounds_or_going_silent_not_for_being_slow() -> None:
+    a = PEERS[0]
+    leases = {0: lease(0, a, round_index=3)}
+
+    def progress(newest: int, reported: int, answered: int, at: float = 0.0) -> Progress:
+        return Progress({a: newest}, {a: reported}, {a: (answered, at)})
+
+    later = SILENT_S
+    # At its round 7 it published up to round 5: one of its rounds missed.
+    assert not lapsed(a, leases, progress(5, 7, 9), our_round=9, lapse_rounds=2, now=0.0)
+    assert lapsed(a, leases, progress(4, 7, 9), our_round=9, lapse_rounds=2, now=0.0)  # two missed
+    # Slow: it is at its round 5 while we are at 12, and published each of its rounds.
+    assert not lapsed(a, leases, progress(4, 5, 12), our_round=12, lapse_rounds=2, now=later)
+    # Silent (killed): it last answered at our round 10, SILENT_S ago.
+    assert not lapsed(a, leases, progress(4, 5, 10), our_round=11, lapse_rounds=2, now=later)
+    assert lapsed(a, leases, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later)
+    # Two of our rounds in a second are not silence yet.
+    assert not lapsed(a, leases, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later / 2)
+    nothing = Progress({}, {}, {})
+    assert not lapsed(a, leases, nothing, our_round=4, lapse_rounds=2, now=0.0)  # claimed a moment ago
+    assert lapsed(a, leases, nothing, our_round=5, lapse_rounds=2, now=0.0)  # never heard from since
+    assert not lapsed(PEERS[1], leases, nothing, our_round=60, lapse_rounds=2, now=0.0)  # owns nothing
+
+
+def test_claims_hand_experts_over_through_the_document() -> None:
+    """Two nodes' keepers: the rule, the claims they write, the document merging them."""
+    a, b = PEERS[:2]
+    state_a, state_b = RunState(RUN), RunState(RUN)
+    keeper_a = LeaseKeeper(state_a, seed=SEED_OF[a], peer_id=a, lapse_rounds=2)
+    keeper_b = LeaseKeeper(state_b, seed=SEED_OF[b], peer_id=b, lapse_rounds=2)
+    for keeper in (keeper_a, keeper_b):
+        keeper.num_experts = 4
+    # a is alone at first: it claims everything.
+    nothing = Progress({}, {}, {})
+    for update in keeper_a.claims(keeper_a.owners(keeper_a.active([], nothing, 0, now=0.0)), 0):
+        state_b.apply_remote(update)
+    assert keeper_a.mine() == [0, 1, 2, 3]
+    # b arrives: by the rule it takes two of a's; a lets them go once it sees the claims.
+    for update in keeper_b.claims(keeper_b.owners(keeper_b.active([a], nothing, 1, now=0.0)), 1):
+        state_a.apply_remote(update)
+    assert len(keeper_b.mine()) == 2 and len(keeper_a.mine()) == 2
+    assert set(keeper_a.mine()) | set(keeper_b.mine()) == {0, 1, 2, 3}
+    heard = Progress({a: 0, b: 0}, {a: 1, b: 1}, {a: (1, 0.0), b: (1, 0.0)})
+    assert keeper_a.claims(keeper_a.owners(keeper_a.active([b], heard, 1, now=0.0)), 1) == []  # even: no more moves
+    keeper_a.observe()
+    handed = [(r.expert, r.from_peer, r.to_peer) for r in keeper_a.releases if r.from_peer is not None]
+    assert sorted(handed) == sorted((e, a, b) for e in keeper_b.mine())
+    # a stops answering: two rounds later b takes its experts back.
+    silent = Progress({a: 1, b: 3}, {a: 2, b: 4}, {a: (2, 0.0), b: (4, SILENT_S)})
+    assert keeper_b.active([a], silent, 3, now=SILENT_S) == sorted([a, b])
+    assert keeper_b.active([a], silent, 4, now=SILENT_S) == [b]
+    for update in keeper_b.claims(keeper_b.owners(keeper_b.active([a], silent, 4, now=SILENT_S)), 4):
+        state_a.apply_remote(update)
+    assert keeper_b.mine() == [0, 1, 2, 3] and keeper_a.mine() == []
+
+
+def test_the_better_of_two_claims_wins_the_same_on_both_sides() -> None:
+    a, b = PEERS[:2]
+    first, second = lease(0, a, epoch=2), lease(0, b, epoch=2)
+    assert better_lease(RUN, first, second) != better_lease(RUN, second, first)
+    assert better_lease(RUN, lease(0, b, epoch=3), first)
+    state_a, state_b = RunState(RUN), RunState(RUN)
+    update_a, update_b = state_a.put_lease(first), state_b.put_lease(second)
+    state_a.apply_remote(update_b)
+    state_b.apply_remote(update_a)
+    # The document keeps one of two concurrent writes by client id, not by our order: the
+    # side whose better claim lost there writes it back (the run service's upkeep), and
+    # then both agree on the better one.
+    for ours, theirs in ((state_a, state_b), (state_b, state_a)):
+        update = ours.restore_leases(ours.stale_leases())
+        if update:
+            theirs.apply_remote(update)
+    winner = first if better_lease(RUN, first, second) else second
+    assert state_a.leases == state_b.leases == {0: winner}
+    assert state_a.stale_leases() == state_b.stale_leases() == []
+
+
+def test_a_forged_or_misfiled_lease_is_refused_and_a_replayed_one_changes_nothing() -> None:
+    a, b = PEERS[:2]
+    state, other = RunState(RUN), RunState(RUN)
+    forged = LeaseRecord(0, a, 1, 0, sig=keys.sign(SEED_OF[b], "swarmtrain/lease/1", [RUN, 0, a, 1, 0]))
+    with pytest.raises(BadMessage):
+        other.put_lease(forged)
+    writer = RunState(RUN)
+    writer.put_lease(lease(0, a, epoch=1))
+    old = writer.encode()
+    newer = writer.put_lease(lease(0, b, epoch=2))
+    state.apply_remote(old)
+    state.apply_remote(newer)
+    assert state.leases[0].owner == b
+    assert state.stale_leases() == []
+    # A delete relayed by a stranger reaches the document but not the view; the entry is
+    # named stale, and written back.
+    evil = RunState(RUN)
+    evil.apply_remote(state.encode())
+    delete = evil._write("leases", [("0", None)])
+    state.apply_remote(delete)
+    assert state.leases[0].owner == b and state.stale_leases() == [0]
+    evil.apply_remote(state.restore_leases([0]))
+    assert evil.leases[0].owner == b and state.stale_leases() == []
+
+
+@pytest.mark.parametrize("epoch", [0, 1 << 41])
+def test_a_lease_out_of_range_cannot_be_written(epoch: int) -> None:
+    state = RunState(RUN)
+    record = sign_lease(LeaseRecord(0, PEERS[0], epoch, 0), SEEDS[0], RUN)
+    with pytest.raises(ValueError):
+        state.put_lease(record)
+
+
+def test_rank_ties_do_not_always_favour_one_peer() -> None:
+    a, b = PEERS[:2]
+    wins = Counter(
+        a if better_lease(RUN, lease(e, a, epoch=k), lease(e, b, epoch=k)) else b
+        for e, k in itertools.product(range(8), range(1, 5))
+    )
+    assert wins[a] > 0 and wins[b] > 0

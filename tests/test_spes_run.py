@@ -1,0 +1,81 @@
+"""SPES with real daemons and workers on loopback: every expert has one owner, each node trains
+only its own, versions travel, and a killed owner's experts are taken over."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from node.algorithms.spes import Spes
+from node.daemon import Daemon
+from tests.adversarial.harness import finished, start_trainers, until
+from tests.conftest import open_swarm
+
+pytestmark = pytest.mark.integration
+ROUNDS = 8
+NUM_EXPERTS = 8  # micro-moe
+TRAINING = {
+    "run__settings__algorithm": "spes",
+    "run__settings__model": "micro-moe",
+    "run__settings__rounds": ROUNDS,
+    "run__settings__inner__steps_per_round": 5,
+    "training__pair_timeout_s": 20.0,
+}
+TIMEOUT_S = 300.0
+
+
+def spes_of(node: Daemon) -> Spes:
+    assert node.training is not None and isinstance(node.training.algorithm, Spes)
+    return node.training.algorithm
+
+
+def rounds_done(node: Daemon) -> int:
+    return node.training.metrics.rounds if node.training else 0
+
+
+async def test_each_node_trains_only_its_experts_and_fetches_the_others(short_tmp: Path) -> None:
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 3, TRAINING, run_name="spes")
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
+        owned = [set(spes_of(n).owned) for n in nodes]
+        assert set().union(*owned) == set(range(NUM_EXPERTS))
+        assert sum(len(o) for o in owned) == NUM_EXPERTS  # one owner each
+        assert sorted(len(o) for o in owned) == [2, 3, 3]
+        for node in nodes:
+            status = node.training.status() if node.training else None
+            assert status is not None and status["rounds"] == ROUNDS
+            assert math.isfinite(status["final_loss"]) and status["final_loss"] < status["loss_curve"][0][1]
+            assert status["trainable_params"] < status["total_params"]
+            # Versions of every frozen expert came in, signed by its owner (the newest at each
+            # look: rounds here take a fraction of a second, and nodes started seconds
+            # apart, so a node may skip versions or finish before its peers' last ones).
+            frozen = set(range(NUM_EXPERTS)) - set(status["owned_experts"])
+            assert status["expert_versions_fetched"] >= len(frozen)
+            held = spes_of(node).store.held
+            assert all(e in held and held[e].head.owner != node.peer_id for e in frozen)
+            assert status["expert_versions_refused"] == 0
+            assert status["rounds_with_partner"] >= 1
+        # Every node sees the same owners.
+        assert len({tuple(sorted(spes_of(n).ctx.state.leases.items())) for n in nodes}) == 1
+
+
+async def test_a_killed_owners_experts_are_taken_over_by_the_survivors(short_tmp: Path) -> None:
+    """How many rounds the take-over costs depends on round length against the silence and
+    liveness bounds, so it is measured by bench/spes.py; here: it happens, while training."""
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 3, {**TRAINING, "run__settings__rounds": 1000}, run_name="spes")
+        *survivors, victim = nodes
+        await until(nodes, lambda: rounds_done(victim) >= 2 and bool(spes_of(victim).owned), timeout_s=TIMEOUT_S)
+        swarm.kill(victim)
+
+        def taken_over() -> bool:
+            for node in survivors:
+                leases = node.run_service.state.leases if node.run_service else {}
+                if victim.peer_id in {lease.owner for lease in leases.values()}:
+                    return False
+            owned = [set(spes_of(s).owned) for s in survivors]
+            return set().union(*owned) == set(range(NUM_EXPERTS)) and sum(map(len, owned)) == NUM_EXPERTS
+
+        await until(survivors, taken_over, timeout_s=TIMEOUT_S)
+        assert sorted(len(spes_of(s).owned) for s in survivors) == [4, 4]
+        assert any(r.from_peer == victim.peer_id for s in survivors for r in spes_of(s).keeper.releases)
