@@ -13,8 +13,9 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
     {t: "outbox_free", round}    ──▶ (nobody reads the outbox now: last round's payload,
                                      which a peer behind us may pull, can be overwritten)
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s,
-                                     memory} (the outbox now holds φ then Δ, encoded as in
-                                     training/trainer.py; memory: Trainer.memory())
+                                     memory, expert_load} (the outbox now holds φ then Δ,
+                                     encoded as in training/trainer.py; memory:
+                                     Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer, rejected, save_error}
                                      (rejected: why the partner's payload was refused, or

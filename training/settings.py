@@ -145,6 +145,9 @@ class RunSettings:
     """Outer rounds to train, then the workers stop (the nodes stay on the network)."""
     compression: str = "none"
     """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes)."""
+    seed: int = 0
+    """The run's initial weights (the same on every node) and the order of each node's
+    batches: runs that differ only in it show what chance does (bench/spes.py)."""
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     zo: ZoConfig = field(default_factory=ZoConfig)
@@ -155,6 +158,7 @@ class RunSettings:
         _choice("model", self.model, MODEL_PRESETS)
         _choice("compression", self.compression, COMPRESSIONS)
         _in_range("rounds", self.rounds, 1, 1 << 30)
+        _in_range("seed", self.seed, 0, 65535)
         _check(
             self.algorithm not in algorithms.MIXTURE_OF_EXPERTS or self.model in MOE_PRESETS,
             f"model: {self.algorithm} trains a mixture of experts ({', '.join(MOE_PRESETS)}), got {self.model!r}",

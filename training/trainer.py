@@ -84,6 +84,9 @@ class Trainer:
         self.bounds = bounds or PartnerBounds()
         self.last_rejection: str | None = None
         """Why the last partner payload was refused (None if it was used, or there was none)."""
+        self.expert_load: list[float] | None = None
+        """A mixture of experts: each expert's share of the routed tokens over the last
+        ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
 
     def _new_optimizer(self) -> torch.optim.AdamW:
         return torch.optim.AdamW(self._trainable, lr=self.inner.lr, weight_decay=self.inner.weight_decay)
@@ -121,9 +124,15 @@ class Trainer:
         self.model.eval()
         batches = self.shard.val_batches(batch_size=self.inner.batch_size, max_batches=max_batches)
         total = 0.0
+        moes = self.model.moes()
+        load = torch.zeros(moes[0].num_experts, device=self.device) if moes else None
         for x, y in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
                 total += self.model.loss(x.to(self.device), y.to(self.device)).item()
+            if load is not None:
+                load += torch.stack([m.load for m in moes]).mean(dim=0)
+        if load is not None:
+            self.expert_load = [round(float(v), 5) for v in load / len(batches)]
         return total / len(batches)
 
     def theta(self) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         logger.warning("device cuda asked for, but this torch sees no CUDA device: training on the CPU")
         device = "cpu"
     model_config = GPTConfig(**{**_fields(preset(config.run.model)), **config.model_overrides})
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed + config.run.seed)
     model = GPT(model_config)
     tokens = data.encode(data.read_corpus(None if config.data_path is None else Path(config.data_path)))
     shard = data.make_shard(
@@ -52,7 +52,8 @@ def build_trainer(config: WorkerConfig) -> Trainer:
     common: dict[str, Any] = {
         "inner": config.run.inner,
         "outer": config.run.outer,
-        "seed": config.node_index if config.batch_seed is None else config.batch_seed,
+        # Batches: this node's stream, moved by the run's seed (a prime apart: no overlap).
+        "seed": (config.node_index if config.batch_seed is None else config.batch_seed) + 1_000_003 * config.run.seed,
         "compression": config.run.compression,
         "device": device,
         "compile_model": config.compile == "on" or (config.compile == "auto" and device == "cuda"),

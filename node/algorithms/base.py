@@ -38,6 +38,8 @@ class TrainingMetrics:
     """Partner payloads the worker refused (non-finite, out of bounds): each cost its sender."""
     first_ready: float | None = None
     """When the first worker said "ready" (trio time)."""
+    expert_load: list[float] | None = None
+    """A mixture of experts: each expert's share of the routed tokens at the last evaluation."""
     memory: dict[str, int] = field(default_factory=dict)
     """The worker's last ``Trainer.memory()``: trainable and total parameters, gradient and
     optimizer-state bytes."""

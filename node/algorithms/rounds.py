@@ -38,7 +38,7 @@ class Inbox(Protocol):
 class PayloadRounds:
     """The shared loop; a subclass says what a round exchanges (``exchange``)."""
 
-    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from", "memory")
+    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from", "memory", "expert_load")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -103,6 +103,7 @@ class PayloadRounds:
             "start_round": self.start_round,
             "joined_from": self.states.joined_from,
             "memory": self.ctx.metrics.memory,
+            "expert_load": self.ctx.metrics.expert_load,
         }
 
     async def train(self) -> None:
@@ -188,6 +189,9 @@ class PayloadRounds:
                     memory = message.get("memory")
                     if isinstance(memory, dict):
                         metrics.memory = {k: int(v) for k, v in memory.items() if type(v) is int}
+                    load = message.get("expert_load")
+                    if isinstance(load, list) and all(isinstance(v, float) for v in load):
+                        metrics.expert_load = load
                     started = trio.current_time()
                     await self.exchange(worker, message, outbox, inbox)
                     metrics.sync_wait_s += trio.current_time() - started

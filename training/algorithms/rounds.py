@@ -206,6 +206,7 @@ def _rounds(
                 compute_s=compute_s,
                 step=trainer.step,
                 memory=trainer.memory(),
+                expert_load=trainer.expert_load,
             )
             collected: dict[str, list[torch.Tensor]] = {}
             while True:
