@@ -3,6 +3,8 @@
     ProtocolError                 anything that went wrong talking to peers
     ├── DialError                 could not reach a peer (all addresses failed or timed out)
     ├── StreamError               a stream broke: closed, reset, or ended early
+    ├── Overdue                   a handler's deadline passed after the peer had sent its
+    │                             request: we, or the link, were slow; nobody is penalized
     └── BadMessage                a peer sent something we refuse (malformed, oversized,
         │                         wrong version, invalid content); the peer gets penalized
         └── UnsupportedVersion    a well-formed message of a protocol version we don't speak
@@ -21,6 +23,12 @@ class DialError(ProtocolError):
 
 class StreamError(ProtocolError):
     """A stream was closed, reset or ended before a whole message arrived."""
+
+
+class Overdue(ProtocolError):
+    """A handler ran past its deadline although the peer had sent its request: on an
+    overloaded machine that is our own slowness as often as the peer's, so it is no
+    penalty (a peer that sends nothing still earns one: protocol/net/hostlike.py)."""
 
 
 class BadMessage(ProtocolError):

@@ -144,6 +144,7 @@ class FakeStream:
         self.peer_id = peer_id
         self._inbox = inbox
         self._outbox = outbox
+        self.nbytes_read = 0
 
     async def read_exact(self, nbytes: int) -> bytes:
         buffer = bytearray(nbytes)
@@ -158,6 +159,7 @@ class FakeStream:
                 raise StreamError(f"stream ended {len(buffer) - offset} bytes early")
             buffer[offset : offset + len(chunk)] = chunk
             offset += len(chunk)
+            self.nbytes_read += len(chunk)
 
     async def write(self, data: bytes) -> None:
         if self._outbox.broken is not None or self._outbox.finished:

@@ -33,12 +33,12 @@ class FakeWorker:
         self.sent.append({"t": msg_type, **fields})
 
 
-def rounds() -> ZoRounds:
+def rounds(num_rounds: int = 10) -> ZoRounds:
     return ZoRounds(
         FakeHost(),  # type: ignore[arg-type]
         run_id=RUN,
         identity_seed=SEEDS[0],
-        rounds=10,
+        rounds=num_rounds,
         updates_per_round=2,
         partners=lambda: IDS[1:],
         is_member=set(IDS).__contains__,
@@ -166,3 +166,16 @@ async def test_a_record_a_crash_cut_short_is_ignored_and_overwritten(tmp_path: P
     assert await journal.read() == [first]
     await journal.append(second)
     assert await Journal(path, RUN).read() == [first, second]
+
+
+async def test_a_journal_comes_back_whole_however_far_its_rounds_are_past_the_window(tmp_path: Path) -> None:
+    """A node that joined late signs rounds far past what an empty log's window takes
+    (agreed round + 16): restored through the window, those entries waited for a pull, and
+    the next signature reused their sequence numbers (equivocation)."""
+    path = tmp_path / "run.zo-journal"
+    for k, round_index in enumerate([40, 41, 42]):
+        await Journal(path, RUN).append(zolog.sign_batch(SEEDS[0], RUN, 2 * k, [round_index] * 2, bytes([1, 2])))
+    zo = rounds(100)
+    zo._journal = Journal(path, RUN)
+    await zo._restore_own_batches()
+    assert zo.log.vector() == {IDS[0]: 6} and zo.log.last_round(IDS[0]) == 42

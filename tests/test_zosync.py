@@ -86,3 +86,40 @@ async def test_equivocation_is_evidence_the_author_is_excluded_everywhere_and_no
         with trio.fail_after(30):
             await b.pull(a._host.peer_id)  # b learns the evidence from a's pull answer
         assert author in b.log.excluded and b._host.peers.is_banned(author)
+
+
+async def ask(host: Host, holder: Host, have: dict[str, int], hashes: dict[str, bytes]) -> dict[str, object]:
+    stream = await host.open_stream(holder.peer_id, zosync.PROTOCOL_ID, timeout_s=10)
+    await wire.send(stream, "want", zosync.VERSION, {"run": RUN, "have": have, "hashes": hashes})
+    reply = await wire.receive(stream, msg_types=frozenset({"batches"}), version=zosync.VERSION, max_nbytes=1 << 24)
+    await stream.close()
+    return reply
+
+
+async def test_a_holder_sends_the_oldest_rounds_first_and_nothing_of_an_author_it_holds_less_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    author_a, author_b = zolog.peer_id_of(SEEDS[0]), zolog.peer_id_of(SEEDS[1])
+    async with hosts(2) as [(holder_host, holder), (asker_host, asker)]:
+        for seed, first, round_index in [(SEEDS[0], 0, 1), (SEEDS[0], 1, 2), (SEEDS[0], 2, 3), (SEEDS[1], 0, 1)]:
+            await holder.add(zolog.sign_batch(seed, RUN, first, [round_index], b"\x01"))
+        await holder.add(zolog.sign_batch(SEEDS[1], RUN, 1, [2], b"\x01"))
+        monkeypatch.setattr(zosync, "MAX_BATCHES", 2)
+        with trio.fail_after(30):
+            reply = await ask(asker_host, holder_host, {}, {})
+        firsts = [zolog.decode_batch(raw, RUN) for raw in reply["batches"]]  # type: ignore[union-attr]
+        # Round 1 of both authors, not author A's rounds 1 and 2: a puller whose window
+        # reaches round 1 only would otherwise be sent nothing it can take, again and again.
+        assert [(b.peer_id, b.rounds[0]) for b in firsts] == sorted([(author_a, 1), (author_b, 1)], key=lambda x: x[0])
+        assert reply["more"] is True
+        monkeypatch.setattr(zosync, "MAX_BATCHES", 512)
+        # The asker holds more of author A (5 entries) than the holder (3): nothing of A comes
+        # back (before, the holder saw "another hash" and sent A's whole chain, all of it old).
+        for first in range(5):
+            await asker.add(zolog.sign_batch(SEEDS[0], RUN, first, [first + 1], b"\x01"))
+        have = asker.log.vector()
+        hashes = {peer: asker.log.chain_hash(peer) for peer in have}
+        with trio.fail_after(30):
+            reply = await ask(asker_host, holder_host, have, hashes)
+        sent = [zolog.decode_batch(raw, RUN) for raw in reply["batches"]]  # type: ignore[union-attr]
+        assert {b.peer_id for b in sent} == {author_b} and reply["more"] is False

@@ -8,7 +8,10 @@ identify, relay and DCUtR streams, gossip messages, CRDT updates) runs inside
     StreamError (reset, closed, EOF)     none      debug: networks break
     UnsupportedVersion                   none      info: one clear refusal, not an attack
     BadMessage                           1 point   info: the peer sent what we refuse
-    trio.TooSlowError (a deadline)       1 point   info: it held our resources
+    trio.TooSlowError (a deadline,       1 point   info: it held our resources
+    the peer sent nothing)
+    Overdue (a deadline after the        none      info: we, or the link, were slow
+    peer's request: protocol/net/hostlike.py)
     any other ProtocolError              none      info
     any other exception, or a panic      1 point   warning with traceback: a bug of ours
     from a native library (pycrdt's                 that a peer's bytes reached, or an

@@ -209,6 +209,7 @@ class Stream:
         self._raw = raw
         self.peer_id: str = raw.muxed_conn.peer_id.to_base58()
         self._budget = budget or FrameBudget(total_nbytes=1 << 62, per_peer_nbytes=1 << 62)
+        self.nbytes_read = 0
 
     async def read_exact(self, nbytes: int) -> bytes:
         """Exactly ``nbytes``; memory grows with what arrived, within the frame budget."""
@@ -240,6 +241,7 @@ class Stream:
                     raise StreamError(f"stream ended {len(buffer) - offset} bytes early")
                 buffer[offset : offset + len(chunk)] = chunk
                 offset += len(chunk)
+                self.nbytes_read += len(chunk)
         except StreamEOF as exc:
             raise StreamError(f"stream ended {len(buffer) - offset} bytes early") from exc
         except BaseLibp2pError as exc:

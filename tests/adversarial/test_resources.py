@@ -148,6 +148,23 @@ async def test_a_handler_that_a_peer_stalls_ends_at_its_deadline() -> None:
         assert victim.peers.penalty(attacker.peer_id) == 1
 
 
+async def test_a_deadline_that_passes_after_the_peers_request_costs_it_nothing() -> None:
+    """The handler is the slow one (an overloaded machine): the deadline still ends it, but
+    the peer that asked is not blamed (honest nodes of a 2-core soak banned each other so)."""
+    async with victim_and_attacker() as (victim, attacker):
+
+        async def slow_after_the_request(stream: Stream) -> None:
+            await stream.read_exact(1)
+            await trio.sleep_forever()  # our own slowness, however long
+
+        victim.set_handler("/test/overdue/1.0.0", slow_after_the_request, deadline_s=0.5)
+        stream = await attacker.open_stream(victim.peer_id, "/test/overdue/1.0.0", timeout_s=10)
+        await stream.write(b"?")
+        with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError):
+            await stream.read_exact(1)  # reset once the deadline passed
+        assert victim.peers.penalty(attacker.peer_id) == 0
+
+
 def test_a_peer_gets_one_data_channel_slot_at_a_time() -> None:
     channel = DataChannel("127.0.0.1")
     channel.expect(memoryview(bytearray(8)), "peer-a")

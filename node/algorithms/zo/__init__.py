@@ -31,6 +31,10 @@ class Zo:
             rounds=ctx.run.rounds,
             updates_per_round=ctx.run.inner.steps_per_round,
             partners=ctx.partners,
+            pull_from=lambda: sorted(
+                set(ctx.partners())
+                | {p for p in ctx.host.connected_peers() if p != ctx.host.peer_id and ctx.is_member(p)}
+            ),
             # Our own batches always count (a stranger deleting our record must not stop us).
             is_member=lambda peer_id: peer_id == ctx.host.peer_id or peer_id in ctx.state.members,
             wait_s=ctx.config.pair_timeout_s,

@@ -36,6 +36,13 @@ from protocol.net.host import Host
 logger = logging.getLogger(__name__)
 
 PULL_INTERVAL_S = 0.25
+# Anti-entropy cycles that bring nothing back off, doubling up to this: gossip carries most
+# batches, pulls repair what it dropped, and 16 nodes each pulling 15 peers every quarter
+# second opened hundreds of streams a second on the soak's 2 cores. A round that waits for
+# a peer's batch asks for a cycle at once.
+MAX_PULL_INTERVAL_S = 2.0
+# Pulls of one anti-entropy cycle under way at once.
+PARALLEL_PULLS = 3
 # Every this many rounds the worker saves its weights as a checkpoint peers can fetch.
 CHECKPOINT_EVERY = 4
 MAX_CHECKPOINT_NBYTES = 8 << 30
@@ -70,6 +77,7 @@ class ZoRounds:
         rounds: int,
         updates_per_round: int,
         partners: Callable[[], list[str]],
+        pull_from: Callable[[], list[str]] | None = None,
         is_member: Callable[[str], bool],
         wait_s: float,
         checkpoint_dir: Path | None = None,
@@ -82,6 +90,10 @@ class ZoRounds:
         self._rounds = rounds
         self._updates_per_round = updates_per_round
         self._partners = partners
+        self._pull_from = pull_from or partners
+        self._pull_soon = trio.Event()
+        """Whom anti-entropy pulls: live trainers, and trainer members we are connected to
+        (a peer whose heartbeats do not reach us still serves its log)."""
         self._wait_s = wait_s
         self.round = 0
         self.log = zolog.UpdateLog(run_id, is_member=is_member, rounds=rounds, max_per_round=updates_per_round)
@@ -116,10 +128,17 @@ class ZoRounds:
         self.checkpoints.register()
 
     async def pull_forever(self) -> None:
-        """Anti-entropy: pull from every live trainer, again and again."""
+        """Anti-entropy: pull from every live trainer, again and again; every PULL_INTERVAL_S
+        while pulls bring entries, backing off to MAX_PULL_INTERVAL_S while they do not,
+        and at once when a round waits for a peer's batch (``_pull_soon``)."""
+        interval = PULL_INTERVAL_S
         while True:
+            before = self.sync.entries_by_pull
             await self._catch_up_once()
-            await trio.sleep(PULL_INTERVAL_S)
+            interval = PULL_INTERVAL_S if self.sync.entries_by_pull > before else min(2 * interval, MAX_PULL_INTERVAL_S)
+            with trio.move_on_after(interval):
+                await self._pull_soon.wait()
+            self._pull_soon = trio.Event()
 
     def status(self) -> dict[str, Any]:
         published = self._own_seq
@@ -161,8 +180,11 @@ class ZoRounds:
         self._own_seq = max(self._own_seq, self.log.next_seq(self._host.peer_id))
         if self.log.max_round() >= CHECKPOINT_EVERY and self._checkpoint_dir is not None:
             await self._start_from_checkpoint(worker)
-        # Where the run is, robustly (not the largest round anyone claims: zolog.agreed_round).
-        self.start_round = self.round = max(self.round, self.log.agreed_round())
+        # Where the run is, robustly (not the largest round anyone claims: zolog.agreed_round),
+        # and never a round our own chain already has (a restart ahead of the median would
+        # sign it again: its entries would contradict our own).
+        me = self._host.peer_id
+        self.start_round = self.round = max(self.round, self.log.agreed_round(), self.log.last_round(me) + 1)
         for round_index in range(self.round, self._rounds):
             self.round = round_index
             await self._wait_for_round(round_index - 1)
@@ -170,6 +192,9 @@ class ZoRounds:
             await self._send_updates(worker, below_round=round_index)
             if round_index > 0 and round_index % CHECKPOINT_EVERY == 0:
                 await self._save_checkpoint(worker, round_index)
+            # Our chain may have grown behind our back (a pull brought entries we signed
+            # before losing our disk): never sign a sequence number twice.
+            self._own_seq = max(self._own_seq, self.log.next_seq(me))
             seqs = range(self._own_seq, self._own_seq + self._updates_per_round)
             seeds = [zolog.seed_of(self._run_id, self._host.peer_id, round_index, seq) for seq in seqs]
             await worker.send("zo_go", round=round_index, seeds=seeds)
@@ -207,17 +232,21 @@ class ZoRounds:
                 await changed.wait()
 
     async def _restore_own_batches(self) -> None:
-        """After a restart: our chain back from the journal, before anything is pulled or signed."""
+        """After a restart: our chain back from the journal, before anything is pulled or
+        signed, whatever the window (``sync.add`` would leave entries past it for a later
+        pull, and our next signature would reuse their numbers)."""
         if self._journal is None:
             return
         restored = 0
         for batch in await self._journal.read():
             try:
-                restored += len(await self.sync.add(batch))
+                fresh = self.log.add(batch, max_round=zolog.MAX_ROUND)
             except ProtocolError as exc:
                 logger.error("zo: a batch of our journal is refused (%s); the rest is not restored", exc)
                 break
+            restored += len(fresh)
         if restored:
+            self.sync.wake()
             logger.info("zo: %d of our own entries restored from %s", restored, self._journal.path)
 
     async def _journal_own(self, batch: zolog.Batch) -> None:
@@ -291,19 +320,31 @@ class ZoRounds:
                 continue
             if offer is None or offer.round != round_index or offer.param_hash != param_hash:
                 continue
+            if self.log.count_below(offer.round) != offer.vector:
+                # Weights of entries our log does not hold as such (an author excluded since):
+                # nothing we replay could stay consistent with them.
+                logger.info("recovery checkpoint of %s does not match our log; not taken", peer_id)
+                continue
             await worker.send("zo_load", path=str(dest), param_hash=param_hash)
             reply = await worker.receive()
             if reply["t"] != "zo_loaded":
                 raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
             if reply.get("ok") is True:
-                below = list(self.log.ordered(below_round=round_index))
-                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
+                self._applied = self._held_by(offer.vector, offer.round)
                 self.checkpoints.offer = replace(offer, path=dest)  # we hold what the majority holds now
                 self.recoveries += 1
                 logger.warning("zo: recovered the majority's weights at round %d from %s", round_index, peer_id)
                 return True
         logger.error("zo: outvoted, but no majority peer's checkpoint could be taken; carrying on")
         return False
+
+    def _held_by(self, vector: dict[str, int], round_index: int) -> list[tuple[zolog.Entry, int]]:
+        """What weights loaded from a checkpoint hold: genesis plus each author's first
+        ``vector`` entries (all of rounds < ``round_index``), in the canonical order. Not
+        the log's entries below that round now: some may have arrived while the worker
+        loaded, and those the weights lack (``_send_updates`` applies them, or rebuilds)."""
+        below = [e for e in self.log.ordered(below_round=round_index) if e.seq < vector.get(e.peer_id, 0)]
+        return list(zip(below, zolog.robust_codes(below).codes, strict=True))
 
     async def _finish(self, worker: WorkerConnection) -> None:
         await self._send_updates(worker, below_round=self._rounds)
@@ -363,20 +404,27 @@ class ZoRounds:
             if reply["t"] != "zo_loaded":
                 raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
             if reply.get("ok") is True:
-                below = list(self.log.ordered(below_round=offer.round))
-                self._applied = list(zip(below, zolog.robust_codes(below).codes, strict=True))
+                self._applied = self._held_by(offer.vector, offer.round)
                 self.checkpoint_round = offer.round
                 logger.info("zo: started from %s's checkpoint at round %d", peer_id, offer.round)
                 return
             logger.info("checkpoint of %s refused by the worker: %s", peer_id, reply.get("reason"))
 
     async def _catch_up_once(self) -> None:
-        """One pull from every live trainer (a failed one is only logged)."""
-        for peer_id in self._partners():
-            try:
-                await self.sync.pull(peer_id)
-            except ProtocolError as exc:
-                logger.debug("zo log pull from %s: %s", peer_id, exc)
+        """One pull from every peer ``pull_from`` names, PARALLEL_PULLS at a time (one at a
+        time, a cycle through 15 loaded peers took minutes); a failed one is only logged."""
+        limiter = trio.CapacityLimiter(PARALLEL_PULLS)
+
+        async def pull(peer_id: str) -> None:
+            async with limiter:
+                try:
+                    await self.sync.pull(peer_id)
+                except ProtocolError as exc:
+                    logger.debug("zo log pull from %s: %s", peer_id, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in self._pull_from():
+                nursery.start_soon(pull, peer_id)
 
     async def _wait_for_round(self, round_index: int) -> None:
         """Until every producing live trainer's chain reaches ``round_index`` (bounded by ``wait_s``)."""
@@ -390,6 +438,7 @@ class ZoRounds:
                 missing = [p for p in self._partners() if -1 < self.log.last_round(p) < round_index]
                 if not missing:
                     return
+                self._pull_soon.set()  # gossip may have dropped it: repair now, not after a back-off
                 with trio.move_on_after(PULL_INTERVAL_S):
                     await changed.wait()
         logger.info("round %d: going on without every peer's update (late ones are replayed)", round_index + 1)

@@ -12,8 +12,9 @@ Protocol flow (``/swarmtrain/zo-log/1.0.0``), one exchange per stream:
                                                     ◀── {t: "batches", v: 2, batches: [bytes],
                                                          evidence: [[bytes, bytes]], more}
                                                          (the original signed batches holding
-                                                         entries beyond ``have``, oldest first,
-                                                         at most MAX_BATCHES; evidence: the
+                                                         entries beyond ``have``, oldest round
+                                                         first across authors, at most
+                                                         MAX_BATCHES; evidence: the
                                                          two batches that convicted each author
                                                          we excluded; more: ask again)
 
@@ -195,18 +196,27 @@ class ZoLogSync:
         hashes = _hashes_of(request)
         batches: list[bytes] = []
         evidence: list[list[bytes]] = []
+        more = False
         if run_id == self.log.run_id:
-            for peer_id in sorted(self.log.vector()):
+            held: list[zolog.Batch] = []
+            for peer_id, count in sorted(self.log.vector().items()):
                 start = have.get(peer_id, 0)
+                if start > count:
+                    continue  # they hold more of this author than we do (they show us, not we them)
                 if start and peer_id in hashes and hashes[peer_id] != self.log.chain_hash(peer_id, start):
                     start = 0  # their chain of this author is not ours: show them ours, whole
-                batches += [b.encode() for b in self.log.batches_after(peer_id, start)]
+                held += self.log.batches_after(peer_id, start)
+            # Oldest rounds first, across authors: a puller far behind takes what its window
+            # accepts, and one author's long chain never fills the reply alone.
+            held.sort(key=lambda b: (b.rounds[0], b.peer_id, b.first_seq))
+            batches = [b.encode() for b in held[:MAX_BATCHES]]
+            more = len(held) > MAX_BATCHES
             evidence = [[a.encode(), b.encode()] for a, b in list(self.log.excluded.values())[:MAX_EVIDENCE]]
         await wire.send(
             stream,
             "batches",
             VERSION,
-            {"batches": batches[:MAX_BATCHES], "evidence": evidence, "more": len(batches) > MAX_BATCHES},
+            {"batches": batches, "evidence": evidence, "more": more},
         )
 
     def wake(self) -> None:
