@@ -98,6 +98,11 @@ def test_an_owner_lapses_after_missing_its_rounds_or_going_silent_not_for_being_
     assert not lapsed(a, leases, nothing, our_round=4, lapse_rounds=2, now=0.0)  # claimed a moment ago
     assert lapsed(a, leases, nothing, our_round=5, lapse_rounds=2, now=0.0)  # never heard from since
     assert not lapsed(PEERS[1], leases, nothing, our_round=60, lapse_rounds=2, now=0.0)  # owns nothing
+    # A joiner at round 5 has not asked anyone yet: silence counts from when it began
+    # asking, not from the lease (it claimed every expert for a round before this rule).
+    joined = Progress({}, {}, {}, listening=(5, 100.0))
+    assert not lapsed(a, leases, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S / 2)
+    assert lapsed(a, leases, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S)
 
 
 def test_claims_hand_experts_over_through_the_document() -> None:

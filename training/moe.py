@@ -12,12 +12,6 @@ The tokens are sorted by expert and every expert's slice multiplied in one call 
 the same slices in a Python loop: the reference the tests hold it to (bit-identical in
 float32), and the path where grouped_mm is missing.
 
-When some experts are frozen (SPES trains only the experts a node owns), the trainable
-ones come first in the sort and the two groups take one grouped matmul each: the frozen
-group's weights are stacked once and kept until one of them changes (their
-``_version``), and the backward computes weight gradients for the trainable group only
-(docs/training.md has what it saves).
-
 Balance without a global view (no node sees the others' routing):
 - Auxiliary-loss-free bias (Wang et al. 2024, as in DeepSeek-V3): a per-expert bias is
   added to the scores for *choosing* experts only (never to the weights); after each
@@ -82,8 +76,6 @@ class MoE(nn.Module):
         """Share of the routed token slots each expert got in the last forward (sums to 1)."""
         self.register_buffer("load", torch.full((num_experts,), 1.0 / num_experts), persistent=False)
         self.aux_loss = torch.zeros(())
-        self._frozen_key: tuple[object, ...] | None = None
-        self._frozen_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -93,17 +85,10 @@ class MoE(nn.Module):
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.reshape(-1)
-        split = self._split()
-        keys = flat if split is None else split[0][flat]  # trainable experts first, if any are frozen
-        order = torch.argsort(keys, stable=True)
+        order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(keys, minlength=self.num_experts)
-        if split is None:
-            routed = self._experts(tokens[token_of], counts)
-        else:
-            rank, trainable = split
-            routed = self._split_experts(tokens[token_of], counts, trainable)
-            counts = counts[rank]  # back in expert order, for the load
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = self._experts(tokens[token_of], counts)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         share = counts.to(probs.dtype) / flat.numel()
@@ -114,52 +99,6 @@ class MoE(nn.Module):
             if stepping:
                 self.route_bias.add_(self.bias_rate * torch.sign(share.mean() - share))
         return out.reshape(shape)
-
-    def _split(self) -> tuple[torch.Tensor, list[int]] | None:
-        """(each expert's place in the sort, the trainable experts) when a grouped matmul
-        would otherwise compute weight gradients for frozen experts; else None."""
-        experts = cast(list[Expert], list(self.experts))
-        trainable = [e for e, m in enumerate(experts) if m.w_in.requires_grad or m.w_out.requires_grad]
-        if not (self.grouped and torch.is_grad_enabled() and 0 < len(trainable) < self.num_experts):
-            return None
-        places = trainable + [e for e in range(self.num_experts) if e not in trainable]
-        rank = torch.empty(self.num_experts, dtype=torch.long)
-        rank[torch.tensor(places)] = torch.arange(self.num_experts)
-        return rank.to(self.route_bias.device), trainable
-
-    def _frozen_stacks(self, frozen: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        experts = cast(list[Expert], list(self.experts))
-        key = (dtype, *((e, experts[e].w_in._version, experts[e].w_out._version) for e in frozen))
-        if self._frozen_key != key:
-            with torch.no_grad():
-                self._frozen_cache = (
-                    torch.stack([experts[e].w_in for e in frozen]).to(dtype),
-                    torch.stack([experts[e].w_out for e in frozen]).to(dtype),
-                )
-            self._frozen_key = key
-        assert self._frozen_cache is not None
-        return self._frozen_cache
-
-    def _split_experts(self, xs: torch.Tensor, counts: torch.Tensor, trainable: list[int]) -> torch.Tensor:
-        """``_experts`` with the rows sorted trainable experts first (``counts`` in that
-        order): two grouped matmuls, the frozen one on cached, gradient-free weights."""
-        if torch.is_autocast_enabled(xs.device.type):
-            xs = xs.to(torch.get_autocast_dtype(xs.device.type))
-        experts = cast(list[Expert], list(self.experts))
-        frozen = [e for e in range(self.num_experts) if e not in trainable]
-        k = len(trainable)
-        boundary = int(counts[:k].sum())
-        w_in = torch.stack([experts[e].w_in for e in trainable]).to(xs.dtype)
-        w_out = torch.stack([experts[e].w_out for e in trainable]).to(xs.dtype)
-        frozen_in, frozen_out = self._frozen_stacks(frozen, xs.dtype)
-        parts = []
-        for rows, group_counts, (a, b) in (
-            (xs[:boundary], counts[:k], (w_in, w_out)),
-            (xs[boundary:], counts[k:], (frozen_in, frozen_out)),
-        ):
-            offs = torch.cumsum(group_counts, 0).to(torch.int32)
-            parts.append(F.grouped_mm(F.gelu(F.grouped_mm(rows, a, offs=offs)), b, offs=offs))
-        return torch.cat(parts)
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's MLP on its slice of ``xs`` (sorted by expert, ``counts`` rows each)."""

@@ -37,6 +37,7 @@ import trio
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.net.host import Host, Stream
+from protocol.net.hostlike import StreamLike, exchange
 from protocol.ratelimit import UNLIMITED
 
 logger = logging.getLogger(__name__)
@@ -108,44 +109,35 @@ class ZoCheckpoints:
         return await self._ask(peer_id, None)
 
     async def _ask(self, peer_id: str, dest: Path | None) -> Offer | None:
-        with trio.move_on_after(TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S) as scope:
-            stream = await self._host.open_stream(peer_id, self._protocol_id, timeout_s=HEADER_TIMEOUT_S)
+        timeout_s = TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S
+        what = "zo checkpoint"
+        async with exchange(
+            self._host, peer_id, self._protocol_id, what=what, timeout_s=timeout_s, open_timeout_s=HEADER_TIMEOUT_S
+        ) as stream:
+            await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
             try:
-                await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
                 with trio.fail_after(HEADER_TIMEOUT_S):
                     header = await wire.receive(
                         stream, msg_types=frozenset({"ckpt", "none"}), version=VERSION, max_nbytes=1 << 20
                     )
-                if header["t"] == "none":
-                    await stream.close()
-                    return None
-                offer = Offer(
-                    round=wire.get_int(header, "round", lo=1, hi=1 << 40),
-                    vector=wire.get_count_map(header, "vector", max_items=MAX_PEERS_IN_VECTOR, lo=1, hi=(1 << 40) - 1),
-                    param_hash=wire.get_str(header, "param_hash", max_len=64, pattern=HASH_PATTERN),
-                    path=dest or Path(),
-                    nbytes=wire.get_int(header, "nbytes", lo=1, hi=self._max_nbytes),
-                    sha256=wire.get_str(header, "sha256", max_len=64, pattern=HASH_PATTERN),
-                )
-                if dest is not None:
-                    await self._receive_file(stream, offer, dest)
-            except ProtocolError as exc:
-                await stream.reset()
-                await self._host.guard.judge(peer_id, "zo checkpoint", exc)
-                raise
             except trio.TooSlowError as exc:
-                await stream.reset()
                 raise ProtocolError(f"{peer_id} did not describe its checkpoint in time") from exc
-            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
-                await stream.reset()
-                raise
-            await stream.close()
-            return offer
-        assert scope.cancelled_caught
-        raise ProtocolError(f"fetching a checkpoint from {peer_id} timed out")
+            if header["t"] == "none":
+                return None
+            offer = Offer(
+                round=wire.get_int(header, "round", lo=1, hi=1 << 40),
+                vector=wire.get_count_map(header, "vector", max_items=MAX_PEERS_IN_VECTOR, lo=1, hi=(1 << 40) - 1),
+                param_hash=wire.get_str(header, "param_hash", max_len=64, pattern=HASH_PATTERN),
+                path=dest or Path(),
+                nbytes=wire.get_int(header, "nbytes", lo=1, hi=self._max_nbytes),
+                sha256=wire.get_str(header, "sha256", max_len=64, pattern=HASH_PATTERN),
+            )
+            if dest is not None:
+                await self._receive_file(stream, offer, dest)
+        return offer
 
     @staticmethod
-    async def _receive_file(stream: Stream, offer: Offer, dest: Path) -> None:
+    async def _receive_file(stream: StreamLike, offer: Offer, dest: Path) -> None:
         """The bytes into ``dest``, hashed as they come; nothing stays there unless they match."""
         digest = hashlib.sha256()
         partial = dest.with_name(dest.name + ".part")

@@ -18,13 +18,14 @@ reset unread, a handler runs under a deadline inside ``guard.run``, and every fa
 stream is a ``StreamError``, of a dial a ``DialError`` (protocol/errors.py).
 """
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import trio
 
-from protocol.errors import Overdue
+from protocol.errors import Overdue, ProtocolError
 from protocol.net.guard import Guard
 from protocol.net.peers import PeerTable
 
@@ -164,3 +165,33 @@ class DirectHostLike(HostLike, Protocol):
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
         ...
+
+
+@asynccontextmanager
+async def exchange(
+    host: HostLike, peer_id: str, protocol_id: str, *, what: str, timeout_s: float, open_timeout_s: float | None = None
+) -> AsyncIterator[StreamLike]:
+    """One exchange of ours with ``peer_id`` on a new stream, ``timeout_s`` in all (the open
+    within ``open_timeout_s``, by default the same).
+
+    The stream goes on the way out, whatever happened: closed after the body returned,
+    reset otherwise, our own timeout included (a stream left behind holds one of yamux's
+    256 slots per connection: a 16-node soak ran out of them and no pull between two
+    daemons opened again). A ``ProtocolError`` from the body is judged (a malformed answer
+    costs the peer) and raised on; the timeout becomes a ``ProtocolError`` naming ``what``,
+    not judged (the slow one may be us).
+    """
+    with trio.move_on_after(timeout_s) as scope:
+        stream = await host.open_stream(peer_id, protocol_id, timeout_s=open_timeout_s or timeout_s)
+        try:
+            yield stream
+        except ProtocolError as exc:
+            await stream.reset()
+            await host.guard.judge(peer_id, what, exc)
+            raise
+        except BaseException:  # our timeout, a cancellation: the stream must still go
+            await stream.reset()
+            raise
+        await stream.close()
+    if scope.cancelled_caught:
+        raise ProtocolError(f"{what} with {peer_id} timed out")

@@ -19,11 +19,9 @@ before applying). Every read has a deadline, so a silent peer never holds us.
 
 import logging
 
-import trio
-
 from protocol import wire
 from protocol.errors import ProtocolError, UnsupportedVersion
-from protocol.net.hostlike import HostLike, StreamLike
+from protocol.net.hostlike import HostLike, StreamLike, exchange
 from protocol.runstate.state import MAX_DOC_NBYTES, RunState
 
 logger = logging.getLogger(__name__)
@@ -62,31 +60,20 @@ class StateSync:
         Raises ``ProtocolError``, already judged (a malformed answer penalized the peer).
         """
         changed = False
-        with trio.move_on_after(EXCHANGE_TIMEOUT_S) as scope:
-            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=EXCHANGE_TIMEOUT_S)
+        what = "state sync"  # judged like a handler's: another version or an overfull document is no misbehaviour
+        async with exchange(self._host, peer_id, PROTOCOL_ID, what=what, timeout_s=EXCHANGE_TIMEOUT_S) as stream:
+            await wire.send(stream, "sync", VERSION, {"run": self._state.run_id, "sv": self._state.state_vector()})
             try:
-                await wire.send(stream, "sync", VERSION, {"run": self._state.run_id, "sv": self._state.state_vector()})
-                try:
-                    reply = await _receive(stream, _REPLY)
-                except UnsupportedVersion as exc:  # another release: no blame
-                    raise ProtocolError(f"{peer_id} speaks another run-state version: {exc}") from exc
-                if reply["t"] == "error":
-                    reason = wire.get_str(reply, "reason", max_len=200)
-                    raise ProtocolError(f"{peer_id} refused to sync: {reason}")
-                update = wire.get_bytes(reply, "update", max_nbytes=MAX_DOC_NBYTES)
-                their_sv = wire.get_bytes(reply, "sv", max_nbytes=MAX_STATE_VECTOR_NBYTES)
-                changed = self._apply(peer_id, update)
-                await wire.send(stream, "diff", VERSION, {"update": self._state.diff(their_sv), "sv": b""})
-            except ProtocolError as exc:  # judged like a handler's: another version or an overfull
-                await stream.reset()  # document is no misbehaviour, anything malformed is
-                await self._host.guard.judge(peer_id, "state sync", exc)
-                raise
-            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
-                await stream.reset()
-                raise
-            await stream.close()
-        if scope.cancelled_caught:
-            raise ProtocolError(f"state sync with {peer_id} timed out")
+                reply = await _receive(stream, _REPLY)
+            except UnsupportedVersion as exc:  # another release: no blame
+                raise ProtocolError(f"{peer_id} speaks another run-state version: {exc}") from exc
+            if reply["t"] == "error":
+                reason = wire.get_str(reply, "reason", max_len=200)
+                raise ProtocolError(f"{peer_id} refused to sync: {reason}")
+            update = wire.get_bytes(reply, "update", max_nbytes=MAX_DOC_NBYTES)
+            their_sv = wire.get_bytes(reply, "sv", max_nbytes=MAX_STATE_VECTOR_NBYTES)
+            changed = self._apply(peer_id, update)
+            await wire.send(stream, "diff", VERSION, {"update": self._state.diff(their_sv), "sv": b""})
         self._host.peers.seen(peer_id)
         return changed
 

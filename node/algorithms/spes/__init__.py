@@ -33,6 +33,9 @@ from protocol.runstate.state import MAX_EXPERTS
 
 logger = logging.getLogger("node.training")
 
+# Before its first round a node asks every live trainer for its heads, at most this long.
+OPENING_ASK_S = 10.0
+
 
 class Spes(Noloco):
     REPORT_KEYS = (
@@ -56,6 +59,8 @@ class Spes(Noloco):
         """This round's swaps: what the worker was handed, to blame a refused version's signer."""
         self._block: Any = None
         self.versions_refused = 0
+        self._listening: tuple[int, float] | None = None
+        """Our round and the time when our first worker was ready (we began asking owners)."""
         self.memory_curve: list[list[int]] = []
         """[round, experts owned, gradient bytes, optimizer-state bytes] at each round's end."""
 
@@ -85,13 +90,21 @@ class Spes(Noloco):
 
     async def opening(self, worker: WorkerConnection) -> None:
         self.store.round = worker.start_round
+        if self._listening is None:
+            self._listening = (worker.start_round, trio.current_time())
+        # Hear from every owner once before the rule runs: a joiner that had not asked anyone
+        # yet took the live owners for silent and claimed every expert for a round.
+        with trio.move_on_after(OPENING_ASK_S):
+            await self.store.sync_once(self.ctx.partners(), self._wanted)
         self.owned = await self._lease(worker.start_round)
         await worker.send("setup", owned=self.owned)
 
     async def _lease(self, round_index: int) -> list[int]:
         """Run the rule, write our claims, and say what we train now."""
         store = self.store
-        progress = Progress(store.newest_by_owner, store.reported, store.answered)
+        progress = Progress(
+            store.newest_by_owner, store.reported, store.answered, self._listening or (round_index, trio.current_time())
+        )
         active = self.keeper.active(self.ctx.partners(), progress, round_index, now=trio.current_time())
         updates = self.keeper.claims(self.keeper.owners(active), round_index)
         if self.ctx.run_service is not None:

@@ -39,6 +39,7 @@ import trio
 from protocol import keys, wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.net.host import Host, Stream
+from protocol.net.hostlike import StreamLike, exchange
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -162,30 +163,20 @@ class ExpertStore:
     async def heads(self, peer_id: str) -> tuple[int, list[Head]]:
         """``peer_id``'s round and the versions it holds (each verified). Raises
         ``ProtocolError``, already judged."""
-        with trio.move_on_after(HEADER_TIMEOUT_S) as scope:
-            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
-            try:
-                await wire.send(stream, "heads?", VERSION, {"run": self._run_id})
-                reply = await wire.receive(
-                    stream, msg_types=frozenset({"heads"}), version=VERSION, max_nbytes=256 * MAX_EXPERTS
-                )
-                round_index = wire.get_int(reply, "round", lo=0, hi=MAX_ROUND)
-                raw = reply.get("heads")
-                if not isinstance(raw, list) or len(raw) > MAX_EXPERTS:
-                    raise BadMessage(f"heads must be a list of at most {MAX_EXPERTS}")
-                heads = [parse_head(item, self._run_id) for item in raw]
-                if len({h.expert for h in heads}) != len(heads):
-                    raise BadMessage("heads name an expert twice")
-            except ProtocolError as exc:
-                await stream.reset()
-                await self._host.guard.judge(peer_id, "expert heads", exc)
-                raise
-            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
-                await stream.reset()
-                raise
-            await stream.close()
-        if scope.cancelled_caught:
-            raise ProtocolError(f"expert heads from {peer_id} timed out")
+        async with exchange(
+            self._host, peer_id, PROTOCOL_ID, what="expert heads", timeout_s=HEADER_TIMEOUT_S
+        ) as stream:
+            await wire.send(stream, "heads?", VERSION, {"run": self._run_id})
+            reply = await wire.receive(
+                stream, msg_types=frozenset({"heads"}), version=VERSION, max_nbytes=256 * MAX_EXPERTS
+            )
+            round_index = wire.get_int(reply, "round", lo=0, hi=MAX_ROUND)
+            raw = reply.get("heads")
+            if not isinstance(raw, list) or len(raw) > MAX_EXPERTS:
+                raise BadMessage(f"heads must be a list of at most {MAX_EXPERTS}")
+            heads = [parse_head(item, self._run_id) for item in raw]
+            if len({h.expert for h in heads}) != len(heads):
+                raise BadMessage("heads name an expert twice")
         for head in heads:
             self.saw(head)
         self.reported[peer_id] = round_index
@@ -197,36 +188,32 @@ class ExpertStore:
         them. Raises ``ProtocolError``, already judged (bytes that do not hash as signed)."""
         if self.expert_nbytes == 0 or not 0 <= head.expert < self.num_experts:
             return False
-        async with self._fetches:
-            with trio.move_on_after(TRANSFER_TIMEOUT_S) as scope:
-                stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=HEADER_TIMEOUT_S)
-                try:
-                    request = {"run": self._run_id, "expert": head.expert, "sha256": head.sha256}
-                    await wire.send(stream, "get", VERSION, request)
-                    with trio.fail_after(HEADER_TIMEOUT_S):
-                        reply = await wire.receive(
-                            stream, msg_types=frozenset({"expert", "gone"}), version=VERSION, max_nbytes=4096
-                        )
-                    if reply["t"] == "gone":
-                        await stream.close()
-                        return False
-                    wire.get_int(reply, "nbytes", lo=self.expert_nbytes, hi=self.expert_nbytes)
-                    data = await _receive(stream, self.expert_nbytes)
-                    if hashlib.sha256(data).digest() != head.sha256:
-                        raise BadMessage("the expert's bytes do not hash as its owner signed")
-                except ProtocolError as exc:
-                    await stream.reset()
-                    await self._host.guard.judge(peer_id, "expert fetch", exc)
-                    raise
-                except trio.TooSlowError as exc:
-                    await stream.reset()
-                    raise ProtocolError(f"{peer_id} did not answer for expert {head.expert} in time") from exc
-                except BaseException:
-                    await stream.reset()
-                    raise
-                await stream.close()
-            if scope.cancelled_caught:
-                raise ProtocolError(f"fetching expert {head.expert} from {peer_id} timed out")
+        what = "expert fetch"
+        async with (
+            self._fetches,
+            exchange(
+                self._host,
+                peer_id,
+                PROTOCOL_ID,
+                what=what,
+                timeout_s=TRANSFER_TIMEOUT_S,
+                open_timeout_s=HEADER_TIMEOUT_S,
+            ) as stream,
+        ):
+            await wire.send(stream, "get", VERSION, {"run": self._run_id, "expert": head.expert, "sha256": head.sha256})
+            try:
+                with trio.fail_after(HEADER_TIMEOUT_S):
+                    reply = await wire.receive(
+                        stream, msg_types=frozenset({"expert", "gone"}), version=VERSION, max_nbytes=4096
+                    )
+            except trio.TooSlowError as exc:
+                raise ProtocolError(f"{peer_id} did not answer for expert {head.expert} in time") from exc
+            if reply["t"] == "gone":
+                return False
+            wire.get_int(reply, "nbytes", lo=self.expert_nbytes, hi=self.expert_nbytes)
+            data = await _receive(stream, self.expert_nbytes)
+            if hashlib.sha256(data).digest() != head.sha256:
+                raise BadMessage("the expert's bytes do not hash as its owner signed")
         self.bytes_received += len(data)
         held = self.held.get(head.expert)
         if held is None or _newer(head, held.head):
@@ -323,7 +310,7 @@ def _newer(head: Head, other: Head) -> bool:
     return (head.round, head.owner) > (other.round, other.owner)
 
 
-async def _receive(stream: Stream, nbytes: int) -> bytes:
+async def _receive(stream: StreamLike, nbytes: int) -> bytes:
     out = bytearray(nbytes)  # the size the run fixes, checked before this allocation
     view = memoryview(out)
     got = 0

@@ -108,6 +108,9 @@ class Progress:
     """Its own round, as it last told us."""
     answered: Mapping[str, tuple[int, float]]
     """Our round, and the time (trio's clock), when it last answered us."""
+    listening: tuple[int, float] = (0, -math.inf)
+    """Our round and the time when we began asking: a peer that never answered has been
+    silent since then, not since its lease (a joiner has not asked anyone yet)."""
 
 
 def lapsed(
@@ -127,7 +130,7 @@ def lapsed(
     since = max(lease.round for lease in held)
     if our_round - since < lapse_rounds:
         return False
-    answered_round, answered_at = progress.answered.get(peer_id, (since, -math.inf))
+    answered_round, answered_at = progress.answered.get(peer_id, progress.listening)
     silent = our_round - max(answered_round, since) >= lapse_rounds and now - answered_at >= SILENT_S
     its_round = progress.reported.get(peer_id, since)
     missed = its_round - since >= lapse_rounds and its_round - 1 - progress.newest.get(peer_id, -1) >= lapse_rounds

@@ -18,7 +18,8 @@ class Zo:
 
     REPORT_KEYS = (
         *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round"),
-        *("entries_by_gossip", "entries_by_pull", "g_clipped", "g_silenced", "authors_excluded", "recoveries"),
+        *("entries_by_gossip", "entries_by_pull", "pulls_ok", "pulls_failed"),
+        *("g_clipped", "g_silenced", "authors_excluded", "recoveries"),
     )
 
     def __init__(self, ctx: Context) -> None:

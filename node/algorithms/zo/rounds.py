@@ -41,6 +41,10 @@ PULL_INTERVAL_S = 0.25
 # second opened hundreds of streams a second on the soak's 2 cores. A round that waits for
 # a peer's batch asks for a cycle at once.
 MAX_PULL_INTERVAL_S = 2.0
+# After the last round the final weights follow late entries once the log was quiet this
+# long (at most MAX_QUIET_WAIT_S after the first of them).
+QUIET_S = 2.0
+MAX_QUIET_WAIT_S = 30.0
 # Pulls of one anti-entropy cycle under way at once.
 PARALLEL_PULLS = 3
 # Every this many rounds the worker saves its weights as a checkpoint peers can fetch.
@@ -152,6 +156,8 @@ class ZoRounds:
             "log_entries_applied": self._hashed_entries,
             "entries_by_gossip": self.sync.entries_by_gossip,
             "entries_by_pull": self.sync.entries_by_pull,
+            "pulls_ok": self.sync.pulls_ok,
+            "pulls_failed": self.sync.pulls_failed,
             "rebuilds": self.rebuilds,
             "g_clipped": self.clipped,
             "g_silenced": self.silenced,
@@ -226,10 +232,23 @@ class ZoRounds:
             changed = self.sync.changed
             recovered = await self._recover_if_outvoted(worker)
             if recovered or list(self.log.ordered(below_round=self._rounds)) != [e for e, _ in self._applied]:
+                await self._quiet()
                 await self._finish(worker)
                 on_step({"round": self._rounds, "val_loss": self.final_val_loss, "final": True})
             else:
                 await changed.wait()
+
+    async def _quiet(self) -> None:
+        """Until the log has not changed for QUIET_S (at most MAX_QUIET_WAIT_S): a catch-up
+        brings entries in bursts, and each final pass replays and evaluates the weights
+        (in the soak, 16 workers doing that for every trickled entry kept 2 cores busy)."""
+        with trio.move_on_after(MAX_QUIET_WAIT_S):
+            while True:
+                changed = self.sync.changed
+                with trio.move_on_after(QUIET_S):
+                    await changed.wait()
+                    continue
+                return
 
     async def _restore_own_batches(self) -> None:
         """After a restart: our chain back from the journal, before anything is pulled or

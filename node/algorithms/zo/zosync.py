@@ -40,7 +40,7 @@ import trio
 from node.algorithms.zo import zolog
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.net.hostlike import HostLike, StreamLike
+from protocol.net.hostlike import HostLike, StreamLike, exchange
 from protocol.net.peers import BAN_POINTS
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,10 @@ MAX_BATCHES = 512
 MAX_BATCH_NBYTES = 8 * zolog.MAX_BATCH + 512
 MAX_EVIDENCE = 64
 MAX_PEERS_IN_VECTOR = 4096
-EXCHANGE_TIMEOUT_S = 10.0
+# A pull is small, but on a loaded machine (the soak: 32 processes on 2 cores) an exchange
+# took 2-10 s even from an idle outsider, and with 10 s the nodes' own pulls timed out for
+# minutes: a slow pull is no harm (three run at once), a timed-out one is wasted.
+EXCHANGE_TIMEOUT_S = 30.0
 # Entries are taken up to this many rounds past the agreed round (or ours, if ahead): a
 # peer a round or two ahead is normal; one claiming rounds far beyond everyone is not, and
 # before issue 12 a joiner started at the largest round anyone claimed.
@@ -81,6 +84,9 @@ class ZoLogSync:
         checking, then wait."""
         self.entries_by_gossip = 0
         self.entries_by_pull = 0
+        self.pulls_ok = 0
+        self.pulls_failed = 0
+        """Pull exchanges that ended well, and those that failed (timeouts most of all)."""
         self.publish_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
         """Gossips a new equivocation's two batches (protocol/runstate/run.py); None: pulls carry it."""
 
@@ -143,7 +149,12 @@ class ZoLogSync:
         """
         total = 0
         for _ in range(64):  # bounded: each round trip brings up to MAX_BATCHES batches
-            new, more = await self._pull_once(peer_id)
+            try:
+                new, more = await self._pull_once(peer_id)
+            except ProtocolError:
+                self.pulls_failed += 1
+                raise
+            self.pulls_ok += 1
             total += new
             self.entries_by_pull += new
             if not more:
@@ -152,40 +163,30 @@ class ZoLogSync:
 
     async def _pull_once(self, peer_id: str) -> tuple[int, bool]:
         new, more = 0, False
-        with trio.move_on_after(EXCHANGE_TIMEOUT_S) as scope:
-            stream = await self._host.open_stream(peer_id, PROTOCOL_ID, timeout_s=EXCHANGE_TIMEOUT_S)
-            try:
-                vector = self.log.vector()
-                hashes = {peer: self.log.chain_hash(peer) for peer in vector}
-                await wire.send(stream, "want", VERSION, {"run": self.log.run_id, "have": vector, "hashes": hashes})
-                reply = await wire.receive(
-                    stream,
-                    msg_types=frozenset({"batches"}),
-                    version=VERSION,
-                    max_nbytes=(MAX_BATCHES + 2 * MAX_EVIDENCE) * MAX_BATCH_NBYTES,
+        async with exchange(
+            self._host, peer_id, PROTOCOL_ID, what="zo log pull", timeout_s=EXCHANGE_TIMEOUT_S
+        ) as stream:
+            vector = self.log.vector()
+            hashes = {peer: self.log.chain_hash(peer) for peer in vector}
+            await wire.send(stream, "want", VERSION, {"run": self.log.run_id, "have": vector, "hashes": hashes})
+            reply = await wire.receive(
+                stream,
+                msg_types=frozenset({"batches"}),
+                version=VERSION,
+                max_nbytes=(MAX_BATCHES + 2 * MAX_EVIDENCE) * MAX_BATCH_NBYTES,
+            )
+            for first, second in _evidence_of(reply):
+                await self.convict(
+                    (zolog.decode_batch(first, self.log.run_id), zolog.decode_batch(second, self.log.run_id))
                 )
-                for first, second in _evidence_of(reply):
-                    await self.convict(
-                        (zolog.decode_batch(first, self.log.run_id), zolog.decode_batch(second, self.log.run_id))
-                    )
-                raws = reply.get("batches")
-                if not isinstance(raws, list) or len(raws) > MAX_BATCHES:
-                    raise BadMessage(f"batches must be a list of at most {MAX_BATCHES}")
-                for raw in raws:
-                    if not isinstance(raw, bytes):
-                        raise BadMessage("a batch is not bytes")
-                    new += len(await self.add(zolog.decode_batch(raw, self.log.run_id)))
-                more = reply.get("more") is True and new > 0
-            except ProtocolError as exc:
-                await stream.reset()
-                await self._host.guard.judge(peer_id, "zo log pull", exc)
-                raise
-            except BaseException:  # our timeout: the stream must still go (it holds a yamux slot)
-                await stream.reset()
-                raise
-            await stream.close()
-        if scope.cancelled_caught:
-            raise ProtocolError(f"zo log pull from {peer_id} timed out")
+            raws = reply.get("batches")
+            if not isinstance(raws, list) or len(raws) > MAX_BATCHES:
+                raise BadMessage(f"batches must be a list of at most {MAX_BATCHES}")
+            for raw in raws:
+                if not isinstance(raw, bytes):
+                    raise BadMessage("a batch is not bytes")
+                new += len(await self.add(zolog.decode_batch(raw, self.log.run_id)))
+            more = reply.get("more") is True and new > 0
         self._host.peers.seen(peer_id)
         return new, more
 
