@@ -78,31 +78,48 @@ def test_more_trainers_than_experts_leave_some_owning_none() -> None:
 
 def test_an_owner_lapses_after_missing_its_rounds_or_going_silent_not_for_being_slow() -> None:
     a = PEERS[0]
-    leases = {0: lease(0, a, round_index=3)}
+    since = 3  # our round when we first saw its claim
 
     def progress(newest: int, reported: int, answered: int, at: float = 0.0) -> Progress:
         return Progress({a: newest}, {a: reported}, {a: (answered, at)})
 
     later = SILENT_S
     # At its round 7 it published up to round 5: one of its rounds missed.
-    assert not lapsed(a, leases, progress(5, 7, 9), our_round=9, lapse_rounds=2, now=0.0)
-    assert lapsed(a, leases, progress(4, 7, 9), our_round=9, lapse_rounds=2, now=0.0)  # two missed
+    assert not lapsed(a, since, progress(5, 7, 9), our_round=9, lapse_rounds=2, now=0.0)
+    assert lapsed(a, since, progress(4, 7, 9), our_round=9, lapse_rounds=2, now=0.0)  # two missed
     # Slow: it is at its round 5 while we are at 12, and published each of its rounds.
-    assert not lapsed(a, leases, progress(4, 5, 12), our_round=12, lapse_rounds=2, now=later)
+    assert not lapsed(a, since, progress(4, 5, 12), our_round=12, lapse_rounds=2, now=later)
     # Silent (killed): it last answered at our round 10, SILENT_S ago.
-    assert not lapsed(a, leases, progress(4, 5, 10), our_round=11, lapse_rounds=2, now=later)
-    assert lapsed(a, leases, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later)
+    assert not lapsed(a, since, progress(4, 5, 10), our_round=11, lapse_rounds=2, now=later)
+    assert lapsed(a, since, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later)
     # Two of our rounds in a second are not silence yet.
-    assert not lapsed(a, leases, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later / 2)
+    assert not lapsed(a, since, progress(4, 5, 10), our_round=12, lapse_rounds=2, now=later / 2)
     nothing = Progress({}, {}, {})
-    assert not lapsed(a, leases, nothing, our_round=4, lapse_rounds=2, now=0.0)  # claimed a moment ago
-    assert lapsed(a, leases, nothing, our_round=5, lapse_rounds=2, now=0.0)  # never heard from since
-    assert not lapsed(PEERS[1], leases, nothing, our_round=60, lapse_rounds=2, now=0.0)  # owns nothing
+    assert not lapsed(a, since, nothing, our_round=4, lapse_rounds=2, now=0.0)  # claimed a moment ago
+    assert lapsed(a, since, nothing, our_round=5, lapse_rounds=2, now=0.0)  # never heard from since
+    assert not lapsed(a, None, nothing, our_round=60, lapse_rounds=2, now=0.0)  # owns nothing
     # A joiner at round 5 has not asked anyone yet: silence counts from when it began
     # asking, not from the lease (it claimed every expert for a round before this rule).
     joined = Progress({}, {}, {}, listening=(5, 100.0))
-    assert not lapsed(a, leases, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S / 2)
-    assert lapsed(a, leases, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S)
+    assert not lapsed(a, since, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S / 2)
+    assert lapsed(a, since, joined, our_round=7, lapse_rounds=2, now=100.0 + SILENT_S)
+
+
+def test_a_claim_naming_a_far_round_still_lapses_and_a_peer_not_training_gets_nothing() -> None:
+    """The round a claim names is its signer's to choose: lapses count from when we first
+    saw the claim. And only peers whose worker is in its rounds get experts: one starting,
+    restarting or finished would hold them untrained."""
+    a, b, c = PEERS[:3]
+    state = RunState(RUN)
+    keeper = LeaseKeeper(state, seed=SEED_OF[c], peer_id=c, lapse_rounds=2)
+    keeper.num_experts = 2
+    state.put_lease(lease(0, a, round_index=(1 << 53) - 1))
+    trainers = [a, b]
+    heard = Progress({a: -1, b: 3}, {a: 5, b: 5}, {a: (5, 0.0), b: (5, 0.0)}, training={a: True, b: True})
+    assert keeper.active(trainers, heard, 5, now=0.0) == sorted([a, b, c])  # first seen at our round 5
+    assert keeper.active(trainers, heard, 7, now=0.0) == sorted([b, c])  # it published nothing since
+    b_finished = Progress({a: 4, b: 3}, {a: 5, b: 5}, {a: (7, 0.0), b: (7, 0.0)}, training={a: True, b: False})
+    assert keeper.active(trainers, b_finished, 7, now=0.0) == sorted([a, c])
 
 
 def test_claims_hand_experts_over_through_the_document() -> None:
@@ -125,7 +142,7 @@ def test_claims_hand_experts_over_through_the_document() -> None:
     assert set(keeper_a.mine()) | set(keeper_b.mine()) == {0, 1, 2, 3}
     heard = Progress({a: 0, b: 0}, {a: 1, b: 1}, {a: (1, 0.0), b: (1, 0.0)})
     assert keeper_a.claims(keeper_a.owners(keeper_a.active([b], heard, 1, now=0.0)), 1) == []  # even: no more moves
-    keeper_a.observe()
+    keeper_a.observe(1)
     handed = [(r.expert, r.from_peer, r.to_peer) for r in keeper_a.releases if r.from_peer is not None]
     assert sorted(handed) == sorted((e, a, b) for e in keeper_b.mine())
     # a stops answering: two rounds later b takes its experts back.

@@ -158,3 +158,29 @@ def test_state_round_trips_experts_and_the_owned_experts_moments() -> None:
     damaged["expert.2"] = torch.full_like(tensors["expert.2"], float("nan"))
     with pytest.raises(CheckpointError):
         spes_trainer().restore(damaged, meta)
+
+
+def test_a_version_claiming_a_far_round_widens_the_bound_no_further_than_a_few_rounds() -> None:
+    a, b = spes_trainer(0), spes_trainer(1)
+    a.set_owned(frozenset({0, 1}))
+    b.set_owned(frozenset({2, 3}))
+    a.inner_steps()
+    b.inner_steps()
+    poisoned = b.table.flat(3) * 1000
+    assert a.swap_in(3, poisoned, version_round=1 << 40) is not None  # the signer picks the round
+    assert not torch.equal(a.table.flat(3), poisoned)
+
+
+def test_a_state_with_a_bad_expert_changes_nothing() -> None:
+    a = spes_trainer()
+    a.set_owned(frozenset({1}))
+    a.inner_steps()
+    a.apply_noloco(None)
+    tensors, meta = a.state()
+    tensors["expert.2"] = torch.zeros(3)  # does not fit
+    b = spes_trainer(1)
+    before = ([p.clone() for p in b.phi], b.round, [b.table.flat(e) for e in range(4)])
+    with pytest.raises(CheckpointError):
+        b.restore(tensors, meta)
+    assert b.round == before[1] and all(torch.equal(x, y) for x, y in zip(b.phi, before[0], strict=True))
+    assert all(torch.equal(b.table.flat(e), before[2][e]) for e in range(4))

@@ -47,6 +47,9 @@ logger = logging.getLogger("training.worker")
 # (per expert, scaled to its share of elements), per round between the two versions.
 # NoLoCo's φ bound is 16 for the same reason (training/noloco.py PartnerBounds).
 EXPERT_BOUND = 16.0
+# The rounds between two versions the bound grows with, at most (an honest version many
+# rounds newer still moves about one update a round: far inside 16 per round).
+MAX_ROUNDS_APART = 4
 
 
 class ExpertTable:
@@ -137,8 +140,8 @@ def expert_state(table: ExpertTable) -> dict[str, torch.Tensor]:
     return {f"expert.{e}": table.flat(e) for e in range(table.num_experts)}
 
 
-def load_expert_state(table: ExpertTable, tensors: dict[str, torch.Tensor]) -> None:
-    """Every expert from a saved state; ``CheckpointError`` (nothing changed) if one does not fit."""
+def check_expert_state(table: ExpertTable, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every expert of a saved state, checked; ``CheckpointError`` if one does not fit."""
     flats = []
     for e in range(table.num_experts):
         flat = tensors.get(f"expert.{e}")
@@ -147,7 +150,12 @@ def load_expert_state(table: ExpertTable, tensors: dict[str, torch.Tensor]) -> N
         if not bool(torch.isfinite(flat).all()):
             raise CheckpointError(f"checkpoint's expert {e} holds NaN or Inf")
         flats.append(flat)
-    for e, flat in enumerate(flats):
+    return flats
+
+
+def load_expert_state(table: ExpertTable, tensors: dict[str, torch.Tensor]) -> None:
+    """Every expert from a saved state; ``CheckpointError`` (nothing changed) if one does not fit."""
+    for e, flat in enumerate(check_expert_state(table, tensors)):
         table.load(e, flat)
 
 
@@ -228,7 +236,9 @@ class SpesTrainer(Trainer):
         held = self.table.flat(expert)
         new = flat.to(held.device)
         reference = self.update_reference(self.table.numel)
-        apart = version_round - self.held_rounds[expert]
+        # The daemon takes versions of rounds up to 16 past ours; the bound grows with the
+        # rounds between two versions only up to MAX_ROUNDS_APART, whatever round is claimed.
+        apart = min(version_round - self.held_rounds[expert], MAX_ROUNDS_APART)
         refusal = check_version(new, held, reference=reference, rounds_apart=apart)
         if refusal is None:
             # Honest versions' share of the bound, for the worker log (docs/training.md).
@@ -259,6 +269,7 @@ class SpesTrainer(Trainer):
         if not (isinstance(held, list) and len(held) == self.table.num_experts and all(type(r) is int for r in held)):
             raise CheckpointError("checkpoint has no expert rounds for this model")
         moments = _expert_moments(self.table, tensors)
+        check_expert_state(self.table, tensors)  # before anything changes
         self.set_owned(frozenset())  # the daemon says what we own once we run
         super().restore(tensors, meta)
         load_expert_state(self.table, tensors)

@@ -35,6 +35,8 @@ logger = logging.getLogger("node.training")
 
 # Before its first round a node asks every live trainer for its heads, at most this long.
 OPENING_ASK_S = 10.0
+# Versions of rounds at most this far past ours are taken (ZO's window is the same).
+MAX_VERSION_ROUNDS_AHEAD = 16
 
 
 class Spes(Noloco):
@@ -69,10 +71,23 @@ class Spes(Noloco):
         self.store.register()
         nursery.start_soon(self.store.sync_forever, self.ctx.partners, self._wanted)
 
+    async def _session(self, worker: WorkerConnection) -> None:
+        try:
+            await super()._session(worker)
+        finally:
+            self.store.training = False  # finished, or the worker is gone: no leases for us meanwhile
+
     def _wanted(self, head: Head) -> bool:
-        """A version signed by the expert's owner in our view, of an expert we do not train."""
+        """A version signed by the expert's owner in our view, of an expert we do not train,
+        for a round not far past ours (the signer picks the round: a version of round 2**40
+        would stand above every honest one for good)."""
         lease = self.ctx.state.leases.get(head.expert)
-        return lease is not None and lease.owner == head.owner and head.expert not in self.owned
+        return (
+            lease is not None
+            and lease.owner == head.owner
+            and head.expert not in self.owned
+            and head.round <= self.store.round + MAX_VERSION_ROUNDS_AHEAD
+        )
 
     def ready(self, worker: WorkerConnection) -> None:
         fields = worker.ready
@@ -90,6 +105,7 @@ class Spes(Noloco):
 
     async def opening(self, worker: WorkerConnection) -> None:
         self.store.round = worker.start_round
+        self.store.training = True
         if self._listening is None:
             self._listening = (worker.start_round, trio.current_time())
         # Hear from every owner once before the rule runs: a joiner that had not asked anyone

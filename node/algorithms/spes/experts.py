@@ -4,11 +4,13 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
 
     asker                                           holder
     {t: "heads?", v: 1, run}             ─────────▶
-                                         ◀───────── {t: "heads", v: 1, round, heads: [[expert,
-                                                     owner, round, sha256, sig], ...]}
+                                         ◀───────── {t: "heads", v: 1, round, training, heads:
+                                                     [[expert, owner, round, sha256, sig], ...]}
                                                      (the newest version of each expert it
                                                      holds, its own or fetched: any holder
-                                                     serves a version; round: the holder's)
+                                                     serves a version; round: the holder's;
+                                                     training: its worker is in its rounds,
+                                                     not starting, restarting or finished)
     {t: "get", v: 1, run, expert, sha256} ─────────▶
                                          ◀───────── {t: "expert", v: 1, nbytes} then nbytes raw
                                                      bytes (float32, training/spes.py's flat
@@ -124,6 +126,10 @@ class ExpertStore:
         """The newest round of any version we saw signed by each owner."""
         self.reported: dict[str, int] = {}
         """Each peer's own round, as it last told us (its heads)."""
+        self.training = False
+        """Whether our worker is in its rounds now (told to askers: only such peers get leases)."""
+        self.peers_training: dict[str, bool] = {}
+        """What each peer said of its own worker, last time it answered."""
         self.answered: dict[str, tuple[int, float]] = {}
         """Our round and the time when each peer last answered us: an owner that misses its
         rounds, or stops answering, loses its leases (node/algorithms/spes/leases.py)."""
@@ -171,6 +177,7 @@ class ExpertStore:
                 stream, msg_types=frozenset({"heads"}), version=VERSION, max_nbytes=256 * MAX_EXPERTS
             )
             round_index = wire.get_int(reply, "round", lo=0, hi=MAX_ROUND)
+            training = reply.get("training") is True
             raw = reply.get("heads")
             if not isinstance(raw, list) or len(raw) > MAX_EXPERTS:
                 raise BadMessage(f"heads must be a list of at most {MAX_EXPERTS}")
@@ -180,6 +187,7 @@ class ExpertStore:
         for head in heads:
             self.saw(head)
         self.reported[peer_id] = round_index
+        self.peers_training[peer_id] = training
         self.answered[peer_id] = (self.round, trio.current_time())
         return round_index, heads
 
@@ -228,16 +236,39 @@ class ExpertStore:
             del self.held[head.expert]
 
     async def sync_forever(self, partners: Callable[[], list[str]], wanted: Callable[[Head], bool]) -> None:
-        """Ask every live trainer for its heads, again and again, and fetch each wanted
-        version that is newer than ours from a holder that listed it (a random one: owners
-        are not the only ones serving)."""
-        while True:
-            await self.sync_once(partners(), wanted)
-            await trio.sleep(SYNC_INTERVAL_S)
+        """Ask every live trainer for its heads every SYNC_INTERVAL_S, and fetch each wanted
+        version newer than ours in the background, one fetch per expert at a time, from a
+        holder that listed it (a random one: owners are not the only ones serving). The
+        asking never waits for a fetch: a slow transfer (or a holder trickling bytes) must
+        not make the owners look silent."""
+        fetching: set[int] = set()
+
+        async def get(head: Head, holders: list[str]) -> None:
+            try:
+                await self._get(head, holders)
+            finally:
+                fetching.discard(head.expert)
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                if self.expert_nbytes:
+                    for head, holders in self._choose(await self._ask_all(partners()), wanted):
+                        if head.expert not in fetching:
+                            fetching.add(head.expert)
+                            nursery.start_soon(get, head, holders)
+                await trio.sleep(SYNC_INTERVAL_S)
 
     async def sync_once(self, peers: list[str], wanted: Callable[[Head], bool]) -> None:
+        """Ask ``peers`` for their heads once, then fetch what is wanted, and wait for it."""
         if self.expert_nbytes == 0:
             return
+        chosen = self._choose(await self._ask_all(peers), wanted)
+        async with trio.open_nursery() as nursery:
+            for head, holders in chosen:
+                nursery.start_soon(self._get, head, holders)
+
+    async def _ask_all(self, peers: list[str]) -> dict[Head, list[str]]:
+        """Every peer's heads (asked at once), by head: who holds it."""
         offers: dict[Head, list[str]] = {}
 
         async def ask(peer_id: str) -> None:
@@ -252,6 +283,10 @@ class ExpertStore:
         async with trio.open_nursery() as nursery:
             for peer_id in peers:
                 nursery.start_soon(ask, peer_id)
+        return offers
+
+    def _choose(self, offers: dict[Head, list[str]], wanted: Callable[[Head], bool]) -> list[tuple[Head, list[str]]]:
+        """Per expert, the newest wanted version that is newer than ours, with its holders."""
         best: dict[int, Head] = {}
         for head in offers:
             held = self.held.get(head.expert)
@@ -263,20 +298,17 @@ class ExpertStore:
                 continue
             if head.expert not in best or _newer(head, best[head.expert]):
                 best[head.expert] = head
+        return [(head, offers[head]) for head in best.values()]
 
-        async def get(head: Head) -> None:
-            holders = offers[head]
-            random.shuffle(holders)
-            for peer_id in holders:
-                try:
-                    if await self.fetch(peer_id, head):
-                        return
-                except ProtocolError as exc:
-                    logger.debug("expert %d from %s: %s", head.expert, peer_id, exc)
-
-        async with trio.open_nursery() as nursery:
-            for head in best.values():
-                nursery.start_soon(get, head)
+    async def _get(self, head: Head, holders: list[str]) -> None:
+        holders = list(holders)
+        random.shuffle(holders)
+        for peer_id in holders:
+            try:
+                if await self.fetch(peer_id, head):
+                    return
+            except ProtocolError as exc:
+                logger.debug("expert %d from %s: %s", head.expert, peer_id, exc)
 
     async def _serve(self, stream: Stream) -> None:
         with trio.fail_after(HEADER_TIMEOUT_S):
@@ -286,7 +318,7 @@ class ExpertStore:
         ours = wire.get_str(request, "run", max_len=64) == self._run_id
         if request["t"] == "heads?":
             heads = [held.head.wire() for _, held in sorted(self.held.items())] if ours else []
-            await wire.send(stream, "heads", VERSION, {"round": self.round, "heads": heads})
+            await wire.send(stream, "heads", VERSION, {"round": self.round, "training": self.training, "heads": heads})
             return
         expert = wire.get_int(request, "expert", lo=0, hi=MAX_EXPERTS - 1)
         sha256 = wire.get_bytes(request, "sha256", max_nbytes=SHA256_NBYTES)

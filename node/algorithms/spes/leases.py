@@ -15,10 +15,13 @@ same active peers computes the same owners:
    one of its experts that ranks first for the taker. A joiner is handed experts this way
    until the load is even. Each move lowers the sum of squared loads, so this ends.
 
-Active: a trainer member that is live (heartbeats within the peer TTL), and that has not
-lapsed. An owner (it holds a lease claimed at least ``lapse_rounds`` rounds ago) lapses
-when it missed ``lapse_rounds`` of *its* rounds: its own round, as it tells askers, is that
-far past its newest version; or when it has not answered us for ``lapse_rounds`` of our
+Active: a trainer member that is live (heartbeats within the peer TTL), that says its
+worker is in its rounds (not starting, restarting or finished: such a node would be given
+orphans and never train them, or keep experts frozen for nodes still training), and that
+has not lapsed. An owner (we first saw its claim at least ``lapse_rounds`` of our rounds
+ago: our rounds, not the round a claim names, which its signer chooses) lapses when it
+missed ``lapse_rounds`` of *its* rounds: its own round, as it tells askers, is that far
+past its newest version; or when it has not answered us for ``lapse_rounds`` of our
 rounds and at least ``SILENT_S`` (a killed node: well before its liveness expires; the
 floor keeps a busy peer whose answer is late from lapsing when rounds take a second). A slow owner that publishes each
 of its rounds never lapses: nodes train at their own pace, without a barrier. We are
@@ -111,29 +114,23 @@ class Progress:
     listening: tuple[int, float] = (0, -math.inf)
     """Our round and the time when we began asking: a peer that never answered has been
     silent since then, not since its lease (a joiner has not asked anyone yet)."""
+    training: Mapping[str, bool] | None = None
+    """What each peer said of its worker (in its rounds or not); None: not asked (tests)."""
 
 
 def lapsed(
-    peer_id: str,
-    leases: Mapping[int, LeaseRecord],
-    progress: Progress,
-    our_round: int,
-    lapse_rounds: int,
-    *,
-    now: float,
+    peer_id: str, since: int | None, progress: Progress, our_round: int, lapse_rounds: int, *, now: float
 ) -> bool:
     """Whether ``peer_id``, as an owner, missed ``lapse_rounds`` of its rounds or went
-    silent for that many of ours (and ``SILENT_S``; see above)."""
-    held = [lease for lease in leases.values() if lease.owner == peer_id]
-    if not held:
-        return False
-    since = max(lease.round for lease in held)
-    if our_round - since < lapse_rounds:
+    silent for that many of ours (and ``SILENT_S``; see above). ``since``: our round when
+    we first saw its newest claim (None: it holds none). Our rounds, not the round its
+    claim names: a claim signing a far round would otherwise never lapse."""
+    if since is None or our_round - since < lapse_rounds:
         return False
     answered_round, answered_at = progress.answered.get(peer_id, progress.listening)
     silent = our_round - max(answered_round, since) >= lapse_rounds and now - answered_at >= SILENT_S
-    its_round = progress.reported.get(peer_id, since)
-    missed = its_round - since >= lapse_rounds and its_round - 1 - progress.newest.get(peer_id, -1) >= lapse_rounds
+    its_round = progress.reported.get(peer_id)
+    missed = its_round is not None and its_round - 1 - progress.newest.get(peer_id, -1) >= lapse_rounds
     return silent or missed
 
 
@@ -148,15 +145,23 @@ class LeaseKeeper:
         self.num_experts = 0
         self.releases: list[Release] = []
         self._seen: dict[int, LeaseRecord] = {}
+        self._first_seen: dict[LeaseRecord, int] = {}
+        """Our round when we first saw each claim (lapses count from there)."""
 
     def active(self, trainers: Sequence[str], progress: Progress, our_round: int, *, now: float) -> list[str]:
-        """We (while training) and the live trainers that have not lapsed."""
-        leases = self._state.leases
-        others = [p for p in trainers if p != self.peer_id]
-        rounds = self._lapse_rounds
-        return sorted(
-            [self.peer_id, *(p for p in others if not lapsed(p, leases, progress, our_round, rounds, now=now))]
-        )
+        """We (while training) and the live trainers that say they train and have not lapsed."""
+        self.observe(our_round)
+        held: dict[str, int] = {}
+        for lease in self._state.leases.values():
+            held[lease.owner] = max(held.get(lease.owner, -1), self._first_seen.get(lease, our_round))
+        others = [
+            p
+            for p in trainers
+            if p != self.peer_id
+            and (progress.training is None or progress.training.get(p, False))
+            and not lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now)
+        ]
+        return sorted([self.peer_id, *others])
 
     def owners(self, active: Sequence[str]) -> dict[int, str]:
         return assign(self.num_experts, self._state.leases, active, run_id=self._state.run_id)
@@ -180,12 +185,14 @@ class LeaseKeeper:
             logger.info(
                 "round %d: claimed expert %d (epoch %d, from %s)", round_index, expert, epoch, lease and lease.owner
             )
-        self.observe()
+        self.observe(round_index)
         return updates
 
-    def observe(self) -> None:
-        """Note every change of hands in the view since the last look."""
+    def observe(self, our_round: int) -> None:
+        """Note every change of hands in the view since the last look, and when we first
+        saw each claim."""
         for expert, lease in sorted(self._state.leases.items()):
+            self._first_seen.setdefault(lease, our_round)
             before = self._seen.get(expert)
             if before != lease and (before is None or lease.owner != before.owner):
                 previous = None if before is None else before.owner
