@@ -52,6 +52,8 @@ class Node:
     peak_daemon_kib: int = 0
     peak_worker_kib: int = 0
     kills: int = 0
+    fewest_free_stream_slots: int | None = None
+    """The least any of its connections had free of yamux's 256 stream slots, over the run."""
 
     def start(self) -> None:
         self.process = Child(self.argv, self.data_dir / "node.log")
@@ -96,6 +98,10 @@ async def poll(node: Node) -> None:
     except ApiError:
         return
     measure_rss(node)
+    slots = node.status.get("fewest_free_stream_slots")
+    if isinstance(slots, int):
+        held = node.fewest_free_stream_slots
+        node.fewest_free_stream_slots = slots if held is None else min(held, slots)
 
 
 async def wait_for_api(node: Node) -> dict[str, Any]:
@@ -229,8 +235,11 @@ def report(
                 "entries_by_pull": training(n).get("entries_by_pull"),
                 "pulls_ok": training(n).get("pulls_ok"),
                 "pulls_failed": training(n).get("pulls_failed"),
+                "pull_failures": training(n).get("pull_failures"),
+                "pull_failure_examples": training(n).get("pull_failure_examples"),
                 "worker_starts": training(n).get("worker_starts"),
                 "peak_daemon_rss_mb": round(n.peak_daemon_kib / 1024, 1),
+                "fewest_free_stream_slots": n.fewest_free_stream_slots,
                 "peak_worker_rss_mb": round(n.peak_worker_kib / 1024, 1),
             }
             for n in nodes

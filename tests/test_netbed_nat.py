@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +32,32 @@ SWARMTRAIN = [sys.executable, "-m", "node"]
 class Peer:
     """A tests/nat_peer.py process in a namespace, driven by JSON lines."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: trio.Process, stderr: Any) -> None:
         self.process = process
+        self.stderr = stderr
+        """Its log (a temporary file): the tail goes into a failed assertion's message."""
         self._buffer = b""
         self.output: list[str] = []
 
     @classmethod
     async def start(cls, bed: Netbed, role: str, *args: str) -> "Peer":
         argv = [*bed.exec_prefix(role), sys.executable, "-m", "tests.nat_peer", *args]
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop)
         process = await trio.lowlevel.open_process(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT
         )
-        return cls(process)
+        return cls(process, stderr)
+
+    def log_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-3000:].decode(errors="replace")
 
     async def event(self, timeout_s: float = 90.0) -> dict[str, Any]:
         assert self.process.stdout is not None
         with trio.fail_after(timeout_s):
             while b"\n" not in self._buffer:
                 chunk = await self.process.stdout.receive_some(65536)
-                assert chunk, f"peer exited; it said: {self.output}"
+                assert chunk, f"peer exited; it said: {self.output}; its log: {self.log_tail()}"
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         self.output.append(line.decode())
@@ -69,6 +77,7 @@ class Peer:
         if self.process.returncode is None:
             self.process.kill()
             await self.process.wait()
+        self.stderr.close()
 
 
 async def test_two_nodes_behind_nats_meet_by_dht_punch_through_and_move_a_tensor_directly() -> None:
@@ -94,7 +103,7 @@ async def test_two_nodes_behind_nats_meet_by_dht_punch_through_and_move_a_tensor
             assert connected["connected"] == {b_up["peer_id"]: "relayed"}  # its direct address is behind a NAT
 
             direct = await a.do("await_direct", peer=b_up["peer_id"])
-            assert direct["direct_after_s"] < 60
+            assert direct["direct_after_s"] is not None, (direct, await b.do("status"))
             sent = await a.do("send", peer=b_up["peer_id"])
             assert sent == {"sent": True, "connection": "direct"}
             got = (await b.do("await_tensor"))["received"]

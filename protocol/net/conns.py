@@ -46,3 +46,18 @@ def remote_ipv4(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
             continue
         return str(ip), int(port)
     return None
+
+
+def free_stream_slots(raw_host: IHost) -> dict[str, int]:
+    """Per connected peer, the fewest free slots for streams we open on one of its
+    connections (yamux allows 256 at once; a slot leaked per stream ends, after 256, every
+    new stream to that peer: the soak's diagnosis)."""
+    free: dict[str, int] = {}
+    for peer, conns in raw_host.get_network().connections.items():
+        for conn in conns:
+            semaphore = getattr(getattr(conn, "muxed_conn", None), "stream_backlog_semaphore", None)
+            value = getattr(semaphore, "value", None)
+            if isinstance(value, int):
+                key = peer.to_base58()
+                free[key] = min(free.get(key, value), value)
+    return free

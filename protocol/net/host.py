@@ -52,7 +52,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import BadMessage, DialError, ProtocolError, StreamError
-from protocol.net.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ipv4, socket_stream_of
 from protocol.net.dialback import DialbackServer
 from protocol.net.guard import Guard
 from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
@@ -493,6 +493,10 @@ class Host:
 
     def dht_routing_table_size(self) -> int:
         return int(self._dht.get_routing_table_size())
+
+    def free_stream_slots(self) -> dict[str, int]:
+        """Per connected peer, the fewest free slots for streams we open (conns.free_stream_slots)."""
+        return free_stream_slots(self._host)
 
     # --- gossip ---
 

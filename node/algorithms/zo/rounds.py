@@ -158,6 +158,8 @@ class ZoRounds:
             "entries_by_pull": self.sync.entries_by_pull,
             "pulls_ok": self.sync.pulls_ok,
             "pulls_failed": self.sync.pulls_failed,
+            "pull_failures": dict(self.sync.pull_failures),
+            "pull_failure_examples": self.sync.pull_failure_examples,
             "rebuilds": self.rebuilds,
             "g_clipped": self.clipped,
             "g_silenced": self.silenced,

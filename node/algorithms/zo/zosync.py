@@ -33,6 +33,7 @@ pull, so each node excludes it once it holds them, and nobody blames the messeng
 """
 
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -87,6 +88,10 @@ class ZoLogSync:
         self.pulls_ok = 0
         self.pulls_failed = 0
         """Pull exchanges that ended well, and those that failed (timeouts most of all)."""
+        self.pull_failures: Counter[str] = Counter()
+        """Why pulls failed: the error's kind, and "timed out" apart (the soak's diagnosis)."""
+        self.pull_failure_examples: dict[str, str] = {}
+        """The last message of each kind of failure."""
         self.publish_evidence: Callable[[bytes, bytes], Awaitable[None]] | None = None
         """Gossips a new equivocation's two batches (protocol/runstate/run.py); None: pulls carry it."""
 
@@ -151,8 +156,11 @@ class ZoLogSync:
         for _ in range(64):  # bounded: each round trip brings up to MAX_BATCHES batches
             try:
                 new, more = await self._pull_once(peer_id)
-            except ProtocolError:
+            except ProtocolError as exc:
                 self.pulls_failed += 1
+                kind = "timed out" if "timed out" in str(exc) else type(exc).__name__
+                self.pull_failures[kind] += 1
+                self.pull_failure_examples[kind] = str(exc)[:200]
                 raise
             self.pulls_ok += 1
             total += new
