@@ -238,6 +238,8 @@ def report(
                 "pull_failures": training(n).get("pull_failures"),
                 "pull_failure_examples": training(n).get("pull_failure_examples"),
                 "worker_starts": training(n).get("worker_starts"),
+                "rebuilds": training(n).get("rebuilds"),
+                "rewinds": training(n).get("rewinds"),
                 "peak_daemon_rss_mb": round(n.peak_daemon_kib / 1024, 1),
                 "fewest_free_stream_slots": n.fewest_free_stream_slots,
                 "peak_worker_rss_mb": round(n.peak_worker_kib / 1024, 1),

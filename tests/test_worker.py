@@ -189,6 +189,34 @@ async def test_a_worker_told_cuda_without_one_trains_on_the_cpu_instead_of_crash
         assert await worker.process.wait() == 0
 
 
+async def test_zo_worker_rewinds_to_a_kept_copy_bit_identical_to_a_replay_from_genesis() -> None:
+    worker = await start_worker(algorithm="zo", rounds=1, model="micro", model_overrides={})
+    ready = await receive(worker)
+    assert ready["zo_snapshots"] == 4  # micro's weights are far below the copies' byte budget
+    groups = [[[1, 10], [2, 200]], [[3, 40]], [[4, 90], [5, 7]]]
+
+    async def weights() -> str:
+        await worker.send("zo_finish")
+        return str((await receive(worker))["param_hash"])
+
+    for key, group in enumerate(groups, start=1):
+        await worker.send("zo_apply", rebuild=False, updates=group, more=False, snapshot=key)
+    # Round 3 changes (a late entry): back to the copy after round 2, then the new round 3.
+    late = [[4, 90], [5, 7], [6, 255]]
+    await worker.send("zo_apply", rebuild=False, rewind=2, updates=late, more=False, snapshot=3)
+    rewound = await weights()
+    await worker.send("zo_apply", rebuild=True, updates=groups[0])
+    for group in (groups[1], late):
+        await worker.send("zo_apply", rebuild=False, updates=group)
+    assert await weights() == rewound
+    # The rebuild dropped every copy; asking for a copy never kept is a daemon's bug: the
+    # worker refuses it as a bad command (it ends cleanly, as when the daemon misbehaves),
+    # rather than guess weights or crash.
+    await worker.send("zo_apply", rebuild=False, rewind=3, updates=[])
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+
+
 async def test_zo_worker_applies_updates_saves_and_refuses_a_checkpoint_that_hashes_wrong(tmp_path: Path) -> None:
     worker = await start_worker(algorithm="zo", rounds=1, model="micro", model_overrides={})
     ready = await receive(worker)

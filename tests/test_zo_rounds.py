@@ -70,6 +70,33 @@ async def test_rounds_go_to_the_worker_whole_and_in_order_then_a_late_entry_rebu
     assert worker.sent[0]["updates"] == [[zolog.seed_of(RUN, IDS[1], 2, seq), 2 + seq - 4] for seq in (4, 5)]
 
 
+async def test_a_late_entry_replays_from_the_worker_s_copy_before_its_round_not_from_genesis() -> None:
+    # Seen in a 16-node soak: each round's late entries made every node replay the whole
+    # log (~900 entries) from genesis, and the replays kept both cores saturated.
+    zo, worker = rounds(), FakeWorker()
+    zo._snapshot_capacity = 2
+    for r in range(3):
+        await publish(zo, 1, 2 * r, r)
+    await zo._send_updates(worker, below_round=3)  # type: ignore[arg-type]
+    # A copy after each of the last two groups (the worker keeps two): keys 2 and 3.
+    assert [m["snapshot"] for m in worker.sent] == [None, 2, 3]
+    worker.sent.clear()
+    await publish(zo, 2, 0, 2)  # peer 2's round-2 updates arrive after round 2 was applied
+    await zo._send_updates(worker, below_round=3)  # type: ignore[arg-type]
+    assert [(m["rebuild"], m["rewind"], len(m["updates"]), m["snapshot"]) for m in worker.sent] == [(False, 2, 4, 3)]
+    assert (zo.rewinds, zo.rebuilds) == (1, 0)
+    worker.sent.clear()
+    await publish(zo, 0, 0, 0)  # one for round 0: older than any copy the worker keeps
+    await zo._send_updates(worker, below_round=3)  # type: ignore[arg-type]
+    assert [(m["rebuild"], m["rewind"], len(m["updates"])) for m in worker.sent] == [
+        (True, None, 4),
+        (False, None, 2),
+        (False, None, 4),
+    ]
+    assert (zo.rewinds, zo.rebuilds) == (1, 1)
+    assert [m["snapshot"] for m in worker.sent] == [None, 2, 3] and zo._snapshots == [2, 3]
+
+
 async def test_an_author_excluded_after_its_entries_were_applied_rebuilds_without_them() -> None:
     # Seen in CI: the log shrank below what the worker held and indexing past its end
     # killed the daemon's training task.

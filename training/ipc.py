@@ -39,10 +39,17 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      round, reason], ...]} (versions refused: their owner
                                      is penalized)
     Zeroth-order runs (algorithm "zo") use no shared memory (payload_nbytes 0):
-    {t: "zo_apply", rebuild, updates: [[seed, g code], ...], more} ──▶ logged updates in
-                                        this order (rebuild: from the genesis weights); a
-                                        round may come in parts (more: True until its last),
-                                        applied together, once, as one summed group
+                                 ◀── {t: "ready", ..., zo_snapshots} (how many copies of
+                                     the weights at round ends the worker keeps)
+    {t: "zo_apply", rebuild, rewind?, updates: [[seed, g code], ...], more, snapshot?} ──▶
+                                        logged updates in this order (rebuild: from the
+                                        genesis weights; rewind k: from the copy kept under
+                                        key k, and copies of keys above k dropped); a round
+                                        may come in parts (more: True until its last),
+                                        applied together, once, as one summed group; with
+                                        snapshot k on its last part, a copy of the weights
+                                        after it is kept under key k (the oldest of more
+                                        than zo_snapshots dropped)
     {t: "zo_go", round, seeds}   ──▶ (one update per seed, all at this round's weights)
                                  ◀── {t: "zo_step", round, g_codes, val_loss, compute_s}
     {t: "zo_finish"}             ──▶

@@ -22,7 +22,8 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          "payloads_refused" (partner payloads refused: out of bounds, non-finite),
          "checkpoint_error" (why the last checkpoint could not be written, or null),
          and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
-         "bytes_per_update", "log_entries", "rebuilds", "start_round",
+         "bytes_per_update", "log_entries", "rebuilds", "rewinds" (late entries replayed from a
+         copy of the weights, not from genesis), "start_round",
          "checkpoint_round" (a late joiner: the round of the checkpoint it fetched),
          "g_clipped", "g_silenced" (entries the robust g rule clipped or zeroed),
          "authors_excluded" (convicted of equivocation), "recoveries" (weights taken

@@ -424,7 +424,9 @@ class Host:
             try:
                 raw = await self._host.new_stream(parse_peer_id(peer_id), [TProtocol(protocol_id)])
             except (BaseLibp2pError, OSError) as exc:
-                raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}") from exc
+                # libp2p's own message says only "failed to open a stream": the why is its cause.
+                cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+                raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}{cause}") from exc
             return Stream(raw, self.frame_budget)
         assert scope.cancelled_caught
         raise StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")

@@ -24,6 +24,12 @@ from training.worker_config import WorkerConfig
 logger = logging.getLogger("training.worker")
 
 MAX_UPDATES_PER_MESSAGE = 20_000
+# Copies of the weights at the ends of the latest rounds applied: an entry that arrives a
+# round or two late (the usual kind) replays from the copy before its round, not the whole
+# log from genesis. Seen in a 16-node soak: every node replayed ~900 entries from genesis
+# each round, which kept two cores saturated. Bounded by bytes for large models.
+ZO_SNAPSHOTS = 4
+ZO_SNAPSHOT_BUDGET_NBYTES = 2 << 30
 # A round's parts together (zo_apply with more = True until the last): members × steps.
 MAX_UPDATES_PER_ROUND = 1_000_000
 
@@ -41,6 +47,58 @@ def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
             raise ipc.IpcError("update out of range")
         updates.append((seed, code))
     return updates
+
+
+class Snapshots:
+    """Copies of the weights kept under the daemon's keys (the number of round groups
+    applied since genesis), the oldest dropped beyond ``capacity``; the daemon mirrors the
+    same rule (node/algorithms/zo/rounds.py), so it only rewinds to a key kept here."""
+
+    def __init__(self, params: Sequence[torch.Tensor], capacity: int) -> None:
+        self._params = params
+        self.capacity = capacity
+        self._kept: dict[int, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def capacity_for(params: Sequence[torch.Tensor]) -> int:
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        return max(0, min(ZO_SNAPSHOTS, ZO_SNAPSHOT_BUDGET_NBYTES // max(1, nbytes)))
+
+    def keep(self, key: int) -> None:
+        if self.capacity == 0:
+            return
+        spare = self._kept.pop(next(iter(self._kept))) if len(self._kept) >= self.capacity else None
+        with torch.no_grad():
+            if spare is None:
+                spare = [p.detach().clone() for p in self._params]
+            else:
+                for copy, param in zip(spare, self._params, strict=True):
+                    copy.copy_(param)
+        self._kept[key] = spare
+
+    def rewind(self, key: int) -> None:
+        """Back to the copy under ``key``; copies of later keys go (they describe weights
+        the daemon is about to replace)."""
+        kept = self._kept.get(key)
+        if kept is None:
+            raise ipc.IpcError(f"zo_apply rewinds to {key}, a copy this worker does not keep")
+        with torch.no_grad():
+            for param, copy in zip(self._params, kept, strict=True):
+                param.copy_(copy)
+        for later in [k for k in self._kept if k > key]:
+            del self._kept[later]
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+def _key(command: dict[str, Any], field: str) -> int | None:
+    value = command.get(field)
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value < 1 << 40:
+        raise ipc.IpcError(f"zo_apply {field} must be a round count")
+    return value
 
 
 def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, step: int, seed: int) -> int:
@@ -105,8 +163,11 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
     zo_config = replace(config.run.zo, lr=zo.step_size(config.run.zo, trainer.model.num_params()))
     logger.info("zo: step size %.3g", zo_config.lr)
     genesis = [p.detach().clone() for p in params]
+    snapshots = Snapshots(params, Snapshots.capacity_for(params))
     trainer.model.eval()
-    ipc.write_blocking(replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0)
+    ipc.write_blocking(
+        replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0, zo_snapshots=snapshots.capacity
+    )
     round_parts: list[tuple[int, int]] = []
     while True:
         command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
@@ -114,11 +175,16 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
         if kind == "stop":
             return
         if kind == "zo_apply":
+            rewind, snapshot = _key(command, "rewind"), _key(command, "snapshot")
             if command.get("rebuild") is True:
                 round_parts.clear()
+                snapshots.clear()
                 with torch.no_grad():
                     for param, start in zip(params, genesis, strict=True):
                         param.copy_(start)
+            elif rewind is not None:
+                round_parts.clear()
+                snapshots.rewind(rewind)
             round_parts += _updates(command)
             if len(round_parts) > MAX_UPDATES_PER_ROUND:
                 raise ipc.IpcError(f"a round of more than {MAX_UPDATES_PER_ROUND} updates")
@@ -126,6 +192,8 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
                 if round_parts:
                     zo.apply_updates(params, round_parts, zo_config)
                 round_parts = []
+                if snapshot is not None:
+                    snapshots.keep(snapshot)
         elif kind == "zo_go":
             round_index, seeds = command.get("round"), command.get("seeds")
             if type(round_index) is not int or round_index < 0 or not isinstance(seeds, list) or not seeds:
@@ -144,7 +212,10 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
                 error = f"{exc.strerror or exc} ({path})"
             ipc.write_blocking(replies, "zo_saved", param_hash=zo.param_hash(params), save_error=error)
         elif kind == "zo_load":
-            ipc.write_blocking(replies, "zo_loaded", **_zo_load(params, command))
+            loaded = _zo_load(params, command)
+            if loaded["ok"]:
+                snapshots.clear()  # the daemon counts round groups from the loaded weights' log afresh
+            ipc.write_blocking(replies, "zo_loaded", **loaded)
         elif kind == "zo_finish":
             ipc.write_blocking(replies, "zo_done", param_hash=zo.param_hash(params), val_loss=trainer.val_loss())
         else:

@@ -17,7 +17,7 @@ class Zo:
     """The daemon side of ``--algorithm zo``: ``ZoRounds`` wired to the node."""
 
     REPORT_KEYS = (
-        *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "start_round", "checkpoint_round"),
+        *("param_hash", "bytes_per_update", "log_entries", "rebuilds", "rewinds", "start_round", "checkpoint_round"),
         *("entries_by_gossip", "entries_by_pull", "pulls_ok", "pulls_failed"),
         *("g_clipped", "g_silenced", "authors_excluded", "recoveries"),
     )

@@ -104,6 +104,12 @@ class ZoRounds:
         self.sync = zosync.ZoLogSync(host, self.log, current_round=lambda: self.round)
         self._applied: list[tuple[zolog.Entry, int]] = []
         """What the worker holds: genesis plus these (entry, applied g code), in canonical order."""
+        self._snapshot_capacity = 0
+        """How many copies of its weights at round ends the worker keeps (its ``ready``)."""
+        self._snapshots: list[int] = []
+        """The keys of the copies it keeps, oldest first: each the number of round groups of
+        ``_applied`` the copy holds (training/algorithms/zo.py Snapshots, the same rule)."""
+        self.rewinds = 0
         self.clipped = 0
         self.silenced = 0
         self.recoveries = 0
@@ -161,6 +167,7 @@ class ZoRounds:
             "pull_failures": dict(self.sync.pull_failures),
             "pull_failure_examples": self.sync.pull_failure_examples,
             "rebuilds": self.rebuilds,
+            "rewinds": self.rewinds,
             "g_clipped": self.clipped,
             "g_silenced": self.silenced,
             "authors_excluded": sorted(self.log.excluded),
@@ -181,6 +188,8 @@ class ZoRounds:
         joiner's, a slow peer's) is applied too, and the final weights recomputed. Returns
         only if the worker goes away."""
         self._applied = []  # a new worker holds the genesis weights
+        self._snapshots = []
+        self._snapshot_capacity = max(0, int(worker.ready.get("zo_snapshots", 0)))
         await self._restore_own_batches()
         await self._catch_up_once()
         # After a restart of this node our chain may already be in peers' logs: go on from
@@ -352,6 +361,7 @@ class ZoRounds:
                 raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
             if reply.get("ok") is True:
                 self._applied = self._held_by(offer.vector, offer.round)
+                self._snapshots = []  # the worker dropped its copies
                 self.checkpoints.offer = replace(offer, path=dest)  # we hold what the majority holds now
                 self.recoveries += 1
                 logger.warning("zo: recovered the majority's weights at round %d from %s", round_index, peer_id)
@@ -426,6 +436,7 @@ class ZoRounds:
                 raise WorkerGone(f"expected zo_loaded, got {reply['t']!r}")
             if reply.get("ok") is True:
                 self._applied = self._held_by(offer.vector, offer.round)
+                self._snapshots = []  # the worker dropped its copies
                 self.checkpoint_round = offer.round
                 logger.info("zo: started from %s's checkpoint at round %d", peer_id, offer.round)
                 return
@@ -483,23 +494,48 @@ class ZoRounds:
             self._silenced_authors.add(author)
             logger.warning("zo: %s's g sit far above the run's scale: its updates count zero", author)
         target = list(zip(canonical, robust.codes, strict=True))
-        held = len(self._applied)
-        # The log can also shrink (an author excluded for equivocation drops its whole chain):
-        # then what we hold is no prefix and the worker starts over.
-        whole = held == 0 or held >= len(target) or target[held][0].round > self._applied[-1][0].round
-        rebuild = target[:held] != self._applied or not whole
-        todo = target if rebuild else target[held:]
-        if rebuild:
-            self.rebuilds += 1
-            logger.info("zo: the log changed below what we applied; replaying %d entries from genesis", len(todo))
-            if not todo:
-                await worker.send("zo_apply", rebuild=True, updates=[])
-        for i, (_, group) in enumerate(itertools.groupby(todo, key=lambda pair: pair[0].round)):
+        wanted = [list(group) for _, group in itertools.groupby(target, key=lambda pair: pair[0].round)]
+        held = [list(group) for _, group in itertools.groupby(self._applied, key=lambda pair: pair[0].round)]
+        # Whole round groups the worker holds as the log has them now. The log can also
+        # shrink (an author excluded for equivocation drops its whole chain), and a late
+        # entry or a changed robust scale alters a group: from there the worker goes back to
+        # the newest copy it keeps at or before that point, or to the genesis weights.
+        same = 0
+        while same < min(len(held), len(wanted)) and held[same] == wanted[same]:
+            same += 1
+        start, rewind, rebuild = same, None, False
+        if same < len(held):
+            kept = [key for key in self._snapshots if key <= same]
+            if kept:
+                start = rewind = max(kept)
+                self.rewinds += 1
+                logger.info(
+                    "zo: the log changed in round group %d; replaying %d groups from a copy", same, len(wanted) - start
+                )
+            else:
+                start, rebuild = 0, True
+                self.rebuilds += 1
+                logger.info("zo: the log changed below what we applied; replaying %d entries from genesis", len(target))
+            self._snapshots = [key for key in self._snapshots if key <= start] if rewind is not None else []
+            if start == len(wanted):
+                await worker.send("zo_apply", rebuild=rebuild, rewind=rewind, updates=[])
+        for i, group in enumerate(wanted[start:]):
             updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), code] for e, code in group if code]
             # One round is one summed group, however many messages carry it (the worker
             # applies once the last part came): a round of many members never overflows.
             parts = [updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)]
+            key = start + i + 1
+            keep = self._snapshot_capacity > 0 and key > len(wanted) - self._snapshot_capacity
             for k, part in enumerate(parts or [[]]):
-                more = k < len(parts) - 1
-                await worker.send("zo_apply", rebuild=rebuild and i == 0 and k == 0, updates=part, more=more)
+                first, last = i == 0 and k == 0, k == len(parts or [[]]) - 1
+                await worker.send(
+                    "zo_apply",
+                    rebuild=rebuild and first,
+                    rewind=rewind if first else None,
+                    updates=part,
+                    more=not last,
+                    snapshot=key if last and keep else None,
+                )
+            if keep:
+                self._snapshots = [*self._snapshots, key][-self._snapshot_capacity :]
         self._applied = target
