@@ -242,6 +242,8 @@ def report(
                 "rewinds": training(n).get("rewinds"),
                 "peak_daemon_rss_mb": round(n.peak_daemon_kib / 1024, 1),
                 "fewest_free_stream_slots": n.fewest_free_stream_slots,
+                "stuck_connections_closed": (n.status or {}).get("stuck_connections_closed"),
+                "log_vector": training(n).get("log_vector"),
                 "peak_worker_rss_mb": round(n.peak_worker_kib / 1024, 1),
             }
             for n in nodes

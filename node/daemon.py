@@ -333,6 +333,7 @@ class Daemon:
             "dht_routing_table": host.dht_routing_table_size() if host else 0,
             # yamux's 256 streams per connection, fewest free over our connections: a leak shows here.
             "fewest_free_stream_slots": min(host.free_stream_slots().values(), default=None) if host else None,
+            "stuck_connections_closed": host.stuck_connections_closed if host else 0,
             "members": len(members),
             "state_digest": rs.state.digest if rs else None,
             "manifest_name": rs.state.manifest.name if rs and rs.state.manifest else None,
