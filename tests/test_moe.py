@@ -38,44 +38,6 @@ def test_the_grouped_matmul_matches_the_loop_bit_for_bit_forward_and_backward() 
         assert a is not None and b is not None and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("grouped", [True, False] if has_grouped_mm() else [False])
-def test_frozen_experts_run_apart_with_the_same_outputs_and_no_weight_gradient(grouped: bool) -> None:
-    # SPES freezes the experts a node does not own: they run as a group of their own, so
-    # autograd computes no weight gradient for them. Every row meets the same weights in a
-    # matmul of the same rows as before, and a token's top-2 contributions add onto zero in
-    # either order, so outputs and the remaining gradients are bit-identical.
-    x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(1))
-
-    Grads = list[torch.Tensor | None]
-
-    def run(frozen: set[int], *, starve: frozenset[int] = frozenset()) -> tuple[torch.Tensor, Grads]:
-        layer = _layer(grouped)
-        layer.eval()
-        for e in starve:
-            layer.route_bias[e] = -100.0
-        for e in frozen:
-            layer.experts[e].requires_grad_(False)
-        xi = x.clone().requires_grad_(True)
-        out = layer(xi)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        return out.detach(), [xi.grad, *(p.grad for p in layer.parameters())]
-
-    out, grads = run(set())
-    out_frozen, grads_frozen = run({0, 2})
-    assert torch.equal(out, out_frozen)
-    names = ["x", *(name for name, _ in _layer(grouped).named_parameters())]
-    for name, a, b in zip(names, grads, grads_frozen, strict=True):
-        if name.startswith(("experts.0.", "experts.2.")):
-            assert b is None, name
-        else:
-            assert a is not None and b is not None and torch.equal(a, b), name
-    # Every row on frozen experts (the trained ones starved by the bias): no empty matmul, no gradient.
-    out_starved, grads_starved = run({0, 2}, starve=frozenset({1, 3}))
-    reference, _ = run(set(), starve=frozenset({1, 3}))
-    assert torch.equal(out_starved, reference)
-    assert all(g is None for name, g in zip(names, grads_starved, strict=True) if ".w_" in name)
-
-
 def test_a_token_goes_to_its_top_k_experts_weighted_by_renormalized_scores() -> None:
     layer = _layer(False).eval()
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))

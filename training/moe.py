@@ -85,22 +85,10 @@ class MoE(nn.Module):
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        trained, frozen = self._split()
-        if trained and frozen:  # SPES: the trained experts' rows first, then the frozen ones'
-            rank = torch.empty_like(counts)
-            rank[torch.tensor(trained + frozen, device=flat.device)] = torch.arange(
-                self.num_experts, dtype=counts.dtype, device=flat.device
-            )
-            order = torch.argsort(rank[flat], stable=True)
-            xs = tokens[order // self.top_k]
-            n_trained = int(counts[trained].sum())  # a host sync on CUDA: the split point
-            parts = [(xs[:n_trained], trained), (xs[n_trained:], frozen)]
-            routed = torch.cat([self._experts(rows, counts[group], group) for rows, group in parts if len(rows)])
-        else:
-            order = torch.argsort(flat, stable=True)
-            routed = self._experts(tokens[order // self.top_k], counts, list(range(self.num_experts)))
+        order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        routed = self._experts(tokens[token_of], counts)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         share = counts.to(probs.dtype) / flat.numel()
@@ -112,20 +100,11 @@ class MoE(nn.Module):
                 self.route_bias.add_(self.bias_rate * torch.sign(share.mean() - share))
         return out.reshape(shape)
 
-    def _split(self) -> tuple[list[int], list[int]]:
-        """The experts that train (their weights want gradients) and the frozen ones."""
-        trained = [e for e, expert in enumerate(self.experts) if cast(Expert, expert).w_in.requires_grad]
-        frozen = [e for e in range(self.num_experts) if e not in trained]
-        return trained, frozen
-
-    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, group: list[int]) -> torch.Tensor:
-        """The MLPs of the experts in ``group`` on their slices of ``xs`` (sorted in the
-        group's order, ``counts`` rows each). A group of frozen experts runs apart from the
-        trained ones (SPES): autograd then computes no weight gradient for it, 3/4 of the
-        experts' weight-gradient work on a node that owns 2 of 8."""
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's MLP on its slice of ``xs`` (sorted by expert, ``counts`` rows each)."""
         if torch.is_autocast_enabled(xs.device.type):  # grouped_mm on CUDA takes bf16
             xs = xs.to(torch.get_autocast_dtype(xs.device.type))
-        experts = cast(list[Expert], [self.experts[e] for e in group])
+        experts = cast(list[Expert], list(self.experts))
         w_in = torch.stack([e.w_in for e in experts]).to(xs.dtype)
         w_out = torch.stack([e.w_out for e in experts]).to(xs.dtype)
         if self.grouped:
