@@ -87,15 +87,17 @@ def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float) -> f
     try:
         zo_apply.apply(params, [seed], zo_apply.coefficients(-eps, [1.0]))  # θ + εz
         plus = loss()
-        _restore(params, kept)
+        copy_into(params, kept)
         zo_apply.apply(params, [seed], zo_apply.coefficients(eps, [1.0]))  # θ − εz
         minus = loss()
     finally:
-        _restore(params, kept)
+        copy_into(params, kept)
     return (plus - minus) / (2 * eps)
 
 
-def _restore(params: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
+@torch.no_grad()
+def copy_into(params: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
+    """Each of ``params`` takes the values of its twin in ``kept`` (same shapes, in order)."""
     for param, saved in zip(params, kept, strict=True):
         param.copy_(saved)
 

@@ -68,12 +68,10 @@ class Snapshots:
         if self.capacity == 0:
             return
         spare = self._kept.pop(next(iter(self._kept))) if len(self._kept) >= self.capacity else None
-        with torch.no_grad():
-            if spare is None:
-                spare = [p.detach().clone() for p in self._params]
-            else:
-                for copy, param in zip(spare, self._params, strict=True):
-                    copy.copy_(param)
+        if spare is None:
+            spare = [p.detach().clone() for p in self._params]
+        else:
+            zo.copy_into(spare, self._params)
         self._kept[key] = spare
 
     def rewind(self, key: int) -> None:
@@ -82,9 +80,7 @@ class Snapshots:
         kept = self._kept.get(key)
         if kept is None:
             raise ipc.IpcError(f"zo_apply rewinds to {key}, a copy this worker does not keep")
-        with torch.no_grad():
-            for param, copy in zip(self._params, kept, strict=True):
-                param.copy_(copy)
+        zo.copy_into(self._params, kept)
         for later in [k for k in self._kept if k > key]:
             del self._kept[later]
 
@@ -179,9 +175,7 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
             if command.get("rebuild") is True:
                 round_parts.clear()
                 snapshots.clear()
-                with torch.no_grad():
-                    for param, start in zip(params, genesis, strict=True):
-                        param.copy_(start)
+                zo.copy_into(params, genesis)
             elif rewind is not None:
                 round_parts.clear()
                 snapshots.rewind(rewind)

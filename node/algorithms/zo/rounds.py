@@ -524,10 +524,11 @@ class ZoRounds:
             # One round is one summed group, however many messages carry it (the worker
             # applies once the last part came): a round of many members never overflows.
             parts = [updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)]
+            parts = parts or [[]]  # a round whose updates all count zero is still one group
             key = start + i + 1
             keep = self._snapshot_capacity > 0 and key > len(wanted) - self._snapshot_capacity
-            for k, part in enumerate(parts or [[]]):
-                first, last = i == 0 and k == 0, k == len(parts or [[]]) - 1
+            for k, part in enumerate(parts):
+                first, last = i == 0 and k == 0, k == len(parts) - 1
                 await worker.send(
                     "zo_apply",
                     rebuild=rebuild and first,
