@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from node.algorithms.spes.leases import SILENT_S, LeaseKeeper, Progress, assign, lapsed
 from protocol import keys
 from protocol.errors import BadMessage
-from protocol.runstate.state import LeaseRecord, RunState, better_lease, sign_lease
+from protocol.runstate.state import LEASE_OWNERS_KEPT, LeaseRecord, RunState, better_lease, sign_lease
 
 RUN = "leases-abc123"
 SEEDS = [bytes([i + 1]) * 32 for i in range(12)]
@@ -152,6 +152,75 @@ def test_claims_hand_experts_over_through_the_document() -> None:
     for update in keeper_b.claims(keeper_b.owners(keeper_b.active([a], silent, 4, now=SILENT_S)), 4):
         state_a.apply_remote(update)
     assert keeper_b.mine() == [0, 1, 2, 3] and keeper_a.mine() == []
+
+
+def test_a_banned_owner_cannot_win_back_the_experts_it_lost() -> None:
+    """a banned h (its versions were refused) and took one of its two experts; h, running
+    the rule on its own view where it is active and one short, claims one back. a's view
+    leaves out h's claims: a keeps what it holds and claims no more (without the fall-back
+    a claimed it again each round, a war whose last claim decided the owner at the end);
+    b, which has not banned h, sees h's claims, and falls back too once it bans h."""
+    a, b, h = PEERS[:3]
+    banned_by_a: set[str] = {h}
+    banned_by_b: set[str] = set()
+    state_a, state_b, state_h = RunState(RUN), RunState(RUN), RunState(RUN)
+    keeper_a = LeaseKeeper(state_a, seed=SEED_OF[a], peer_id=a, lapse_rounds=2, banned=banned_by_a.__contains__)
+    keeper_b = LeaseKeeper(state_b, seed=SEED_OF[b], peer_id=b, lapse_rounds=2, banned=banned_by_b.__contains__)
+    keeper_h = LeaseKeeper(state_h, seed=SEED_OF[h], peer_id=h, lapse_rounds=2)
+    keepers = (keeper_a, keeper_b, keeper_h)
+
+    def share(updates: list[bytes]) -> None:
+        for update in updates:
+            for state in (state_a, state_b, state_h):
+                state.apply_remote(update)
+
+    for keeper in keepers:
+        keeper.num_experts = 6
+    share([state_a.put_lease(lease(e, owner)) for e, owner in enumerate([a, a, b, b, h, h])])
+    heard = Progress({}, {}, {p: (0, 0.0) for p in (a, b, h)})
+    assert keeper_a.active([b, h], heard, 1, now=0.0) == sorted([a, b])  # a banned h
+    taken = keeper_a.claims(keeper_a.owners(keeper_a.active([b, h], heard, 1, now=0.0)), 1)
+    assert len(taken) == 1 and len(keeper_a.mine()) == 3  # the other goes to b (by a's rule)
+    share(taken)
+    # h: a holds 3, h 1: by the rule on h's view it takes one of a's back.
+    back = keeper_h.claims(keeper_h.owners(keeper_h.active([a, b], heard, 1, now=0.0)), 1)
+    assert len(back) == 1
+    share(back)
+    [retaken] = {e for e, r in state_a.leases.items() if r.owner == h} - {4, 5}
+    assert state_b.leases[retaken].owner == h and keeper_b.view()[retaken].owner == h
+    # a's view falls back to its own claim: it writes nothing and trains what it held.
+    assert keeper_a.view()[retaken].owner == a
+    assert keeper_a.claims(keeper_a.owners(keeper_a.active([b, h], heard, 2, now=0.0)), 2) == []
+    assert len(keeper_a.mine()) == 3
+    # b bans h too: its view falls back the same way, and it claims h's last expert with
+    # an epoch above h's claim (which stands in the document for those that have not).
+    banned_by_b.add(h)
+    assert keeper_b.view()[retaken].owner == a
+    claimed = keeper_b.claims(keeper_b.owners(keeper_b.active([a, h], heard, 2, now=0.0)), 2)
+    share(claimed)
+    assert h not in {r.owner for r in keeper_a.view().values()} | {r.owner for r in keeper_b.view().values()}
+    assert keeper_a.view() == keeper_b.view()
+    assert sorted(keeper_a.mine() + keeper_b.mine()) == list(range(6))
+
+
+def test_the_view_keeps_a_bounded_number_of_claims_per_expert() -> None:
+    """Each owner's best claim is kept for the fall-back, up to LEASE_OWNERS_KEPT per
+    expert: a stranger's many keys push out the oldest claims, not the newest."""
+    state = RunState(RUN)
+    seeds = [bytes([i + 100]) * 32 for i in range(LEASE_OWNERS_KEPT + 2)]
+    owners = [keys.peer_id_of(seed) for seed in seeds]
+    for epoch, (owner, seed) in enumerate(zip(owners, seeds, strict=True), start=1):
+        state.put_lease(sign_lease(LeaseRecord(0, owner, epoch, 0), seed, RUN))
+    assert state.lease_apart_from(0, lambda _: False) == state.leases[0]
+    assert state.leases[0].owner == owners[-1]
+    # Banning the newest owners one by one falls back through the others, newest first,
+    # down to the oldest kept; past that, nothing.
+    banned: set[str] = set()
+    for owner in reversed(owners[2:]):
+        banned.add(owner)
+        fallback = state.lease_apart_from(0, banned.__contains__)
+        expected = owners[owners.index(owner) - 1]
+        assert (fallback and fallback.owner) == (expected if owners.index(expected) >= 2 else None)
 
 
 def test_the_better_of_two_claims_wins_the_same_on_both_sides() -> None:

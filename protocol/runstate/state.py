@@ -42,11 +42,15 @@ Trust rules (peers are strangers; protocol/keys.py checks a signature from the p
   one epoch the lower ``lease_rank`` (a hash, so no peer always wins a tie); a replayed or
   deleted claim changes nothing in the view and is written back like a member record
   (``stale_leases``, ``restore_leases``). Whether a claim's owner may train the expert is
-  the algorithm's rule, not the document's (node/algorithms/spes/leases.py).
+  the algorithm's rule, not the document's (node/algorithms/spes/leases.py). The view also
+  keeps each expert's best claim per owner (``LEASE_OWNERS_KEPT`` of them), so a node that
+  banned an owner can fall back to the best claim of someone else (``leases_apart_from``)
+  instead of fighting a banned peer's claims.
 
 Liveness (heartbeats) is not in the document: every write leaves a tombstone.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -94,6 +98,9 @@ MAX_EXPERTS = 1024
 # Epochs only grow by one per hand-over; this leaves room for any honest run and keeps
 # every value exact through pycrdt's floats.
 MAX_EPOCH = 1 << 40
+# Per expert, the view keeps the best claim of this many owners (the best ones): enough
+# for the hand-overs of any honest run; a stranger's many keys push out only old claims.
+LEASE_OWNERS_KEPT = 16
 T = TypeVar("T")
 # A panic in yrs prints a backtrace when this is 1: 4 KiB of stderr and ≈1 ms per hostile
 # update, a log flood a stranger controls. Read by Rust at the first panic: set it now.
@@ -367,6 +374,8 @@ class RunState:
         self._leases_in_doc: dict[int, LeaseRecord] = {}
         self._leases: dict[int, LeaseRecord] = {}
         """Our view: per expert, the best claim we ever saw (``better_lease``)."""
+        self._claims: dict[int, dict[str, LeaseRecord]] = {}
+        """Per expert, the best claim we saw of each owner (the best ``LEASE_OWNERS_KEPT``)."""
         self._digest = self._compute_digest()
         self._changed = trio.Event()
         self.num_changes = 0
@@ -384,6 +393,27 @@ class RunState:
     @property
     def leases(self) -> dict[int, LeaseRecord]:
         return dict(self._leases)
+
+    def leases_apart_from(self, excluded: Callable[[str], bool]) -> dict[int, LeaseRecord]:
+        """Per expert, the best claim we saw whose owner is not ``excluded`` (a peer we
+        banned): what the view would be had its claims never come."""
+        view = {}
+        for expert in self._leases:
+            lease = self.lease_apart_from(expert, excluded)
+            if lease is not None:
+                view[expert] = lease
+        return view
+
+    def lease_apart_from(self, expert: int, excluded: Callable[[str], bool]) -> LeaseRecord | None:
+        """``leases_apart_from`` for one expert."""
+        lease = self._leases.get(expert)
+        if lease is None or not excluded(lease.owner):
+            return lease  # the best of all is the best of the others too
+        best = None
+        for other in self._claims.get(expert, {}).values():
+            if not excluded(other.owner) and better_lease(self.run_id, other, best):
+                best = other
+        return best
 
     @property
     def digest(self) -> str:
@@ -531,7 +561,20 @@ class RunState:
         for expert, lease in content.leases.items():
             if better_lease(self.run_id, lease, self._leases.get(expert)):
                 self._leases[expert] = lease
+            self._keep_claim(lease)
         self._note_change()
+
+    def _keep_claim(self, lease: LeaseRecord) -> None:
+        by_owner = self._claims.setdefault(lease.expert, {})
+        if not better_lease(self.run_id, lease, by_owner.get(lease.owner)):
+            return
+        by_owner[lease.owner] = lease
+        if len(by_owner) > LEASE_OWNERS_KEPT:
+            worst = min(by_owner.values(), key=functools.cmp_to_key(self._compare_leases))
+            del by_owner[worst.owner]
+
+    def _compare_leases(self, a: LeaseRecord, b: LeaseRecord) -> int:
+        return 0 if a == b else (1 if better_lease(self.run_id, a, b) else -1)
 
     def _note_change(self) -> None:
         self._digest = self._compute_digest()

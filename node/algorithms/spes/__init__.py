@@ -51,7 +51,11 @@ class Spes(Noloco):
         super().__init__(ctx)
         self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
         self.keeper = LeaseKeeper(
-            ctx.state, seed=ctx.identity_seed, peer_id=ctx.host.peer_id, lapse_rounds=ctx.run.spes.lapse_rounds
+            ctx.state,
+            seed=ctx.identity_seed,
+            peer_id=ctx.host.peer_id,
+            lapse_rounds=ctx.run.spes.lapse_rounds,
+            banned=ctx.host.peers.is_banned,
         )
         self.owned: list[int] = []
         """What the worker trains (this round)."""
@@ -81,7 +85,7 @@ class Spes(Noloco):
         """A version signed by the expert's owner in our view, of an expert we do not train,
         for a round not far past ours (the signer picks the round: a version of round 2**40
         would stand above every honest one for good)."""
-        lease = self.ctx.state.leases.get(head.expert)
+        lease = self.keeper.lease(head.expert)
         return (
             lease is not None
             and lease.owner == head.owner
@@ -207,7 +211,7 @@ class Spes(Noloco):
             "expert_bytes_sent": self.store.bytes_sent,
             "expert_bytes_received": self.store.bytes_received,
             "memory_curve": self.memory_curve,
-            "leases": {str(e): [r.owner, r.epoch] for e, r in sorted(self.ctx.state.leases.items())},
+            "leases": {str(e): [r.owner, r.epoch] for e, r in sorted(self.keeper.view().items())},
             "releases": [r.report() for r in self.keeper.releases],
         }
 

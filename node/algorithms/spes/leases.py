@@ -36,6 +36,15 @@ owner. Each expert has an owner as long as one trainer is active: rule 2 gives o
 whenever anyone is. With more trainers than experts, some own none (they still train the
 shared weights and route through the frozen experts).
 
+A peer we banned (it sent a version our worker refused, say) counts neither as active nor
+as an owner: the view we run the rule on leaves out its claims and falls back, per expert,
+to the best claim of someone else (``RunState.leases_apart_from``). Its claims still stand
+in the document for nodes that have not banned it, so two honest nodes may disagree on an
+expert until both have banned it; without the fall-back, the banned owner, running this
+rule on its own view, took an expert back from whoever replaced it (the replacement had
+left it one short), that node claimed it again next round, and so on to the end of the
+run: a claim war whose last claim decided who held the expert when the run ended.
+
 Not defended yet: a member can claim experts it was not given (the view takes any signed
 claim of a higher epoch); if it then publishes nothing it lapses and loses them after
 ``lapse_rounds``, and its versions are bounded by the worker like any other
@@ -46,7 +55,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.runstate.state import LeaseRecord, RunState, sign_lease
@@ -137,8 +146,17 @@ def lapsed(
 class LeaseKeeper:
     """Our side of the rule: the owners now, the claims we must write, the hand-overs seen."""
 
-    def __init__(self, state: RunState, *, seed: bytes, peer_id: str, lapse_rounds: int) -> None:
+    def __init__(
+        self,
+        state: RunState,
+        *,
+        seed: bytes,
+        peer_id: str,
+        lapse_rounds: int,
+        banned: Callable[[str], bool] = lambda _: False,
+    ) -> None:
         self._state = state
+        self._banned = banned
         self._seed = seed
         self.peer_id = peer_id
         self._lapse_rounds = lapse_rounds
@@ -148,34 +166,44 @@ class LeaseKeeper:
         self._first_seen: dict[LeaseRecord, int] = {}
         """Our round when we first saw each claim (lapses count from there)."""
 
+    def view(self) -> dict[int, LeaseRecord]:
+        """Per expert, the best claim whose owner we have not banned."""
+        return self._state.leases_apart_from(self._banned)
+
+    def lease(self, expert: int) -> LeaseRecord | None:
+        """``view()`` of one expert."""
+        return self._state.lease_apart_from(expert, self._banned)
+
     def active(self, trainers: Sequence[str], progress: Progress, our_round: int, *, now: float) -> list[str]:
         """We (while training) and the live trainers that say they train and have not lapsed."""
         self.observe(our_round)
         held: dict[str, int] = {}
-        for lease in self._state.leases.values():
+        for lease in self.view().values():
             held[lease.owner] = max(held.get(lease.owner, -1), self._first_seen.get(lease, our_round))
         others = [
             p
             for p in trainers
             if p != self.peer_id
+            and not self._banned(p)
             and (progress.training is None or progress.training.get(p, False))
             and not lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now)
         ]
         return sorted([self.peer_id, *others])
 
     def owners(self, active: Sequence[str]) -> dict[int, str]:
-        return assign(self.num_experts, self._state.leases, active, run_id=self._state.run_id)
+        return assign(self.num_experts, self.view(), active, run_id=self._state.run_id)
 
     def claims(self, owners: Mapping[int, str], round_index: int) -> list[bytes]:
         """Write our claim on each expert the rule gives us and the view does not; the
         document updates to push."""
         updates = []
-        leases = self._state.leases
+        view, best = self.view(), self._state.leases
         for expert, owner in sorted(owners.items()):
-            lease = leases.get(expert)
+            lease = view.get(expert)
             if owner != self.peer_id or (lease is not None and lease.owner == self.peer_id):
                 continue
-            epoch = 1 if lease is None else lease.epoch + 1
+            top = best.get(expert)  # a banned peer's claim too: ours must beat it everywhere
+            epoch = 1 if top is None else top.epoch + 1
             record = sign_lease(LeaseRecord(expert, self.peer_id, epoch, round_index), self._seed, self._state.run_id)
             try:
                 updates.append(self._state.put_lease(record))
@@ -191,7 +219,7 @@ class LeaseKeeper:
     def observe(self, our_round: int) -> None:
         """Note every change of hands in the view since the last look, and when we first
         saw each claim."""
-        for expert, lease in sorted(self._state.leases.items()):
+        for expert, lease in sorted(self.view().items()):
             self._first_seen.setdefault(lease, our_round)
             before = self._seen.get(expert)
             if before != lease and (before is None or lease.owner != before.owner):
@@ -201,6 +229,4 @@ class LeaseKeeper:
 
     def mine(self) -> list[int]:
         """The experts our best-known claims give us."""
-        return sorted(
-            e for e, lease in self._state.leases.items() if lease.owner == self.peer_id and e < self.num_experts
-        )
+        return sorted(e for e, lease in self.view().items() if lease.owner == self.peer_id and e < self.num_experts)
