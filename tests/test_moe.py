@@ -38,6 +38,36 @@ def test_the_grouped_matmul_matches_the_loop_bit_for_bit_forward_and_backward() 
         assert a is not None and b is not None and torch.equal(a, b)
 
 
+@needs_grouped_mm
+@pytest.mark.parametrize("trained", [[1, 3], [3], [0, 2, 3]])
+def test_frozen_experts_get_no_weight_gradient_and_the_rest_matches_the_loop_bit_for_bit(trained: list[int]) -> None:
+    """SPES: a node trains some experts. The grouped path then sorts the owned experts'
+    tokens first and computes weight gradients for them only; every output and gradient is
+    the loop's, bit for bit (top-2: a token's two outputs add the same in either order),
+    with empty groups on both sides (expert 3 gets no token)."""
+    grouped, loop = _layer(True), _layer(False)
+    loop.load_state_dict(grouped.state_dict())
+    grouped.route_bias[3] = loop.route_bias[3] = -100.0
+    x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for layer in (grouped, loop):
+        layer.eval()
+        for e, expert in enumerate(layer.experts):
+            expert.requires_grad_(e in trained)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append(out.detach())
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    assert grouped._owned_first(x) is not None  # the path under test ran
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+    frozen = [e for e in range(4) if e not in trained]
+    assert all(grouped.experts[e].w_in.grad is None and grouped.experts[e].w_out.grad is None for e in frozen)
+    assert all(grouped.experts[e].w_in.grad is not None for e in trained)
+
+
 def test_a_token_goes_to_its_top_k_experts_weighted_by_renormalized_scores() -> None:
     layer = _layer(False).eval()
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))

@@ -12,6 +12,15 @@ The tokens are sorted by expert and every expert's slice multiplied in one call 
 the same slices in a Python loop: the reference the tests hold it to (bit-identical in
 float32), and the path where grouped_mm is missing.
 
+When a node trains some experts and holds the others frozen (SPES), autograd's grouped
+matmul would still compute every expert's weight gradient and drop the frozen ones'.
+``_OwnedFirst`` sorts the tokens owned experts first and computes weight gradients for
+those groups only (a grouped matmul over the first groups' rows), the input gradient for
+all: every tensor keeps the size it has in the full path (no allocation varies with how
+many tokens the owned experts got: varying sizes fragmented glibc's heap, docs/training.md).
+The owned experts' gradients are bit-identical to autograd's on the same order. CPU only
+for now: CUDA's grouped matmul with groups that end before the last row is not measured yet.
+
 Balance without a global view (no node sees the others' routing):
 - Auxiliary-loss-free bias (Wang et al. 2024, as in DeepSeek-V3): a per-expert bias is
   added to the scores for *choosing* experts only (never to the weights); after each
@@ -85,10 +94,18 @@ class MoE(nn.Module):
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
-        routed = self._experts(tokens[token_of], counts)
+        owned = self._owned_first(tokens)
+        if owned is None:
+            order = torch.argsort(flat, stable=True)
+            token_of = order // self.top_k
+            routed = self._experts(tokens[token_of], counts)
+        else:
+            position = torch.empty_like(counts)
+            position[owned] = torch.arange(self.num_experts, device=counts.device)
+            order = torch.argsort(position[flat], stable=True)
+            token_of = order // self.top_k
+            routed = self._owned_experts(tokens[token_of], counts[owned], owned)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         share = counts.to(probs.dtype) / flat.numel()
@@ -99,6 +116,35 @@ class MoE(nn.Module):
             if stepping:
                 self.route_bias.add_(self.bias_rate * torch.sign(share.mean() - share))
         return out.reshape(shape)
+
+    def _owned_first(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The experts in the order ``_OwnedFirst`` takes them (trained ones first), or None
+        where the plain path serves: all or none trained, no gradient, or not on the CPU."""
+        if not (self.grouped and torch.is_grad_enabled() and tokens.device.type == "cpu"):
+            return None
+        experts = cast(list[Expert], list(self.experts))
+        trained = [e for e, expert in enumerate(experts) if expert.w_in.requires_grad]
+        if not 0 < len(trained) < self.num_experts:
+            return None
+        frozen = [e for e in range(self.num_experts) if e not in trained]
+        return torch.tensor(trained + frozen, device=tokens.device)
+
+    def _owned_experts(self, xs: torch.Tensor, counts: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+        """``_experts`` on tokens sorted in ``owned``'s order (``counts`` in that order)."""
+        experts = cast(list[Expert], list(self.experts))
+        order = owned.tolist()
+        trained = [experts[e] for e in order if experts[e].w_in.requires_grad]
+        frozen = [experts[e] for e in order[len(trained) :]]
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        out: torch.Tensor = _OwnedFirst.apply(  # type: ignore[no-untyped-call]
+            xs,
+            offs,
+            torch.stack([e.w_in for e in trained]).to(xs.dtype),
+            torch.stack([e.w_out for e in trained]).to(xs.dtype),
+            torch.stack([e.w_in.detach() for e in frozen]).to(xs.dtype),
+            torch.stack([e.w_out.detach() for e in frozen]).to(xs.dtype),
+        )
+        return out
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's MLP on its slice of ``xs`` (sorted by expert, ``counts`` rows each)."""
@@ -119,3 +165,40 @@ class MoE(nn.Module):
             parts.append(F.gelu(rows @ w_in[e]) @ w_out[e])
             start += count
         return torch.cat(parts)
+
+
+class _OwnedFirst(torch.autograd.Function):
+    """The experts' MLPs on tokens sorted owned experts first (``offs``: each group's end);
+    weight gradients for the owned groups only."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        xs: torch.Tensor,
+        offs: torch.Tensor,
+        w_in_owned: torch.Tensor,
+        w_out_owned: torch.Tensor,
+        w_in_frozen: torch.Tensor,
+        w_out_frozen: torch.Tensor,
+    ) -> torch.Tensor:
+        w_in = torch.cat([w_in_owned, w_in_frozen])
+        w_out = torch.cat([w_out_owned, w_out_frozen])
+        pre = F.grouped_mm(xs, w_in, offs=offs)
+        hidden = F.gelu(pre)
+        ctx.save_for_backward(xs, offs, w_in, w_out, pre, hidden)
+        ctx.num_owned = w_in_owned.shape[0]  # type: ignore[attr-defined]
+        return F.grouped_mm(hidden, w_out, offs=offs)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        xs, offs, w_in, w_out, pre, hidden = ctx.saved_tensors  # type: ignore[attr-defined]
+        owned = offs[: ctx.num_owned]  # type: ignore[attr-defined]
+        grad_out = grad_out.contiguous()
+        # The rows past the owned groups' end are the frozen experts': left out of the sums.
+        grad_w_out = F.grouped_mm(hidden.t(), grad_out, offs=owned)
+        grad_pre = torch.ops.aten.gelu_backward(F.grouped_mm(grad_out, w_out.transpose(1, 2), offs=offs), pre)
+        grad_w_in = F.grouped_mm(xs.t(), grad_pre, offs=owned)
+        grad_xs = F.grouped_mm(grad_pre, w_in.transpose(1, 2), offs=offs)
+        return grad_xs, None, grad_w_in, grad_w_out, None, None
