@@ -148,13 +148,23 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"{algorithm}: {len(nodes)} nodes in {base}, victims {[v.name for v in victims]}", file=sys.stderr, flush=True
     )
+    crashed: list[str] = []
+
+    def note_crashes() -> None:
+        """A daemon that exited without our kill (a bug: the target is missed already)."""
+        for node in nodes:
+            if node.process is not None and not node.alive and node.name not in dead and node.name not in crashed:
+                crashed.append(node.name)
+                print(f"{algorithm}: {node.name} exited on its own (see its node.log)", file=sys.stderr, flush=True)
+
+    dead: dict[str, float] = {}  # victim name → when to restart it
     try:
         chaos_until = trio.current_time() + args.minutes * 60
-        dead: dict[str, float] = {}  # victim name → when to restart it
         while trio.current_time() < chaos_until:
             async with trio.open_nursery() as nursery:
                 for node in [boot, *nodes]:
                     nursery.start_soon(poll, node)
+            note_crashes()
             now = trio.current_time()
             for victim in victims:
                 if victim.name in dead and now >= dead[victim.name]:
@@ -173,14 +183,19 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{algorithm}: killed {victim.name} at {now - started:.0f} s", file=sys.stderr, flush=True)
             await trio.sleep(POLL_S)
         for victim in victims:
-            if not victim.alive:
+            if victim.name in dead:
                 victim.start()
                 restarts += 1
+        dead.clear()
         with trio.move_on_after(FINISH_TIMEOUT_S):
-            while not settled(algorithm, nodes):
+            # Until settled, or until every daemon left running finished (a crashed one never will).
+            while not settled(algorithm, [n for n in nodes if n.name not in crashed]) or (crashed and not all(
+                training(n).get("finished") for n in nodes if n.name not in crashed
+            )):
                 async with trio.open_nursery() as nursery:
                     for node in nodes:
                         nursery.start_soon(poll, node)
+                note_crashes()
                 await trio.sleep(POLL_S)
     finally:
         for node in [*nodes, boot]:
@@ -193,7 +208,9 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
         for node in [*nodes, boot]:
             if node.alive and node.process is not None:
                 node.process.send_signal(signal.SIGKILL)
-    return report(algorithm, nodes, args, kills, restarts, trio.current_time() - started)
+    out = report(algorithm, nodes, args, kills, restarts, trio.current_time() - started)
+    out["crashed"] = crashed
+    return out
 
 
 def settled(algorithm: str, nodes: list[Node]) -> bool:
@@ -238,6 +255,7 @@ def report(
                 "pull_failures": training(n).get("pull_failures"),
                 "pull_failure_examples": training(n).get("pull_failure_examples"),
                 "worker_starts": training(n).get("worker_starts"),
+                "session_errors": training(n).get("session_errors"),
                 "rebuilds": training(n).get("rebuilds"),
                 "rewinds": training(n).get("rewinds"),
                 "peak_daemon_rss_mb": round(n.peak_daemon_kib / 1024, 1),

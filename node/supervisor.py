@@ -7,6 +7,7 @@ resumes from its checkpoint (saved after every outer step) at the next round.
 """
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,8 @@ RESTART_DELAY_S = 1.0
 MAX_RESTART_DELAY_S = 60.0
 # A worker that ran this long before crashing was healthy: start the backoff over.
 HEALTHY_RUN_S = 60.0
+# Set (to 1) by the test suite: a failed session raises there instead of restarting.
+STRICT_ENV = "SWARMTRAIN_STRICT"
 
 
 class WorkerGone(Exception):
@@ -113,6 +116,8 @@ class Supervisor:
         self._session = session
         self._log_path = log_path
         self.num_starts = 0
+        self.session_errors = 0
+        """Sessions that ended in an error of ours (a bug), each followed by a restart."""
         self.finished = trio.Event()
         self.starting_point: StartingPoint | None = None
         """Asked when a worker with ``ask_start_from`` says ``built``."""
@@ -157,6 +162,15 @@ class Supervisor:
             return True
         except WorkerGone as exc:
             logger.warning("worker: %s", exc)
+            return False
+        except Exception:
+            # A bug on our side of the session (seen: a negative pause in pairing killed 3
+            # daemons of a soak). The daemon stays up and the session starts again from the
+            # worker's checkpoint, as after a worker crash; tests want it loud instead.
+            if os.environ.get(STRICT_ENV) == "1":
+                raise
+            self.session_errors += 1
+            logger.exception("the training session failed (a bug: please report it with this log); restarting")
             return False
         finally:
             connection.detach()

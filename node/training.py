@@ -161,6 +161,7 @@ class TrainingService:
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,
             "finished": m.finished,
             "worker_starts": self.algorithm.supervisor.num_starts,
+            "session_errors": self.algorithm.supervisor.session_errors,
             "payloads_refused": m.payloads_refused,
             "checkpoint_error": m.checkpoint_error,
             **self.algorithm.status(),

@@ -1,5 +1,6 @@
 """Shared fixtures: short data dirs (unix sockets), in-process daemons on loopback, waiting on events."""
 
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -13,7 +14,11 @@ from hypothesis import settings
 
 from node import config as config_module
 from node.daemon import Daemon
+from node.supervisor import STRICT_ENV
 from node.waiting import until
+
+# A bug in a training session fails the test (it would restart the session in a daemon).
+os.environ[STRICT_ENV] = "1"
 
 # Hypothesis' per-example deadline is a timing assertion, and these machines are noisy.
 settings.register_profile("swarmtrain", deadline=None)

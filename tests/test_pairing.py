@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.algorithms.noloco.pairing import Pairing
+from node.algorithms.noloco.pairing import Pairing, _Round
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -224,3 +224,36 @@ async def test_a_peer_still_computing_does_not_keep_us_from_pulling_before_the_b
         with trio.fail_after(60):
             pulled = await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id, d.peer_id], timeout_s=8)
         assert pulled in (a.peer_id, b.peer_id) and pc.last_pulled
+
+
+class _LoadedHost:
+    """Only what ``Pairing._pair`` asks of a host: every peer may take tensors."""
+
+    def tensor_refusal(self, peer_id: str) -> str | None:
+        return None
+
+
+async def test_a_question_that_outlasts_the_sweep_ends_the_sweep_instead_of_crashing(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Seen in the 16-node soak: a peer answered "asking" after the sweep's end had
+    passed (the machine was loaded); the backoff's pause came out negative, trio refused
+    it with a ValueError and the daemon died (3 of 16)."""
+    pairing = Pairing(_LoadedHost(), send_timeout_s=10, is_member=lambda _: True)  # type: ignore[arg-type]
+    sweep_until = trio.current_time() + 1.0
+    asked = []
+
+    async def slow_ask(peer_id: str, current: object, *, question: str = "pair?") -> str:
+        asked.append(peer_id)
+        await trio.sleep(2.0)  # past the sweep's end (virtual time)
+        return "asking"
+
+    monkeypatch.setattr(pairing, "_ask", slow_ask)
+    current = pairing_round()
+    await pairing._pair(current, ["a", "b"], sweep_until=sweep_until)
+    assert current.partner is None and len(asked) == 1
+    assert trio.current_time() >= sweep_until
+
+
+def pairing_round() -> "_Round":
+    return _Round(0, memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))

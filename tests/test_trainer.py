@@ -167,7 +167,29 @@ def test_finite_but_poisoned_payloads_are_refused(poison: str, reason: str) -> N
     with pytest.raises(PayloadRejected, match=reason):
         a.parse_payload(flat.view(torch.uint8))
     assert a.apply_noloco(flat.view(torch.uint8)) is False and a.last_rejection is not None
+    assert a.last_rejection_drifted is False  # an attack: its sender is banned
     assert all(bool(torch.isfinite(p).all()) for p in a.phi)
+
+
+@pytest.mark.parametrize(("updates_away", "drifted"), [(30.0, True), (100.0, True), (200.0, False)])
+def test_a_replica_that_drifted_is_refused_without_a_ban_and_an_attack_is_not(
+    updates_away: float, drifted: bool
+) -> None:
+    """φ = ours + c·Δ: the furthest tensor is exactly c of our updates away (the one whose
+    share of ‖Δ‖ is largest has ref_k = ‖Δ_k‖); past 16 it is refused, and past 8 × 16 it
+    is an attack. Honest replicas reached 16–25 in the soak (training/noloco.py)."""
+    a, b = trainer(0), trainer(1)
+    a.inner_steps()
+    b.inner_steps()
+    flat = b.outer_payload().view(torch.float32).clone()
+    half = flat.numel() // 2
+    own = a.outer_payload().view(torch.float32)
+    flat[half:] = own[half:]
+    flat[:half] = own[:half] + updates_away * own[half:]
+    with pytest.raises(PayloadRejected, match=f"{updates_away:.3g}× our update away") as refused:
+        a.parse_payload(flat.view(torch.uint8))
+    assert refused.value.drifted is drifted
+    assert a.apply_noloco(flat.view(torch.uint8)) is False and a.last_rejection_drifted is drifted
 
 
 def test_an_honest_partner_stays_far_inside_the_bounds() -> None:

@@ -77,7 +77,7 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         await worker.send("outer_go", round=round_index, peer=True)
         outer = await receive(worker)
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
-        assert outer == {**expected, "rejected": None, "save_error": None}
+        assert outer == {**expected, "rejected": None, "drifted": False, "save_error": None}
     assert losses[-1] < losses[0]
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
@@ -128,13 +128,20 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     assert (await receive(worker))["t"] == "round_done"
     inbox.buf[:nbytes] = outbox.buf[:nbytes]  # a peer in lockstep: the same payload
     await worker.send("accumulate", round=0, key="peer-b")
-    assert (await receive(worker)) == {"t": "accumulated", "v": 1, "round": 0, "ok": True, "reason": None}
+    assert (await receive(worker)) == {
+        "t": "accumulated",
+        "v": 1,
+        "round": 0,
+        "ok": True,
+        "reason": None,
+        "drifted": False,
+    }
     inbox.buf[:nbytes] = b"\xff" * nbytes  # NaN everywhere: refused, not averaged in
     await worker.send("accumulate", round=0, key="peer-c")
     refused = await receive(worker)
     assert refused["ok"] is False and "NaN" in refused["reason"]
     await worker.send("outer_go", round=0, key="peer-a")
-    expected = {"t": "outer_done", "v": 1, "round": 0, "used_peer": True, "rejected": None, "save_error": None}
+    expected = {"t": "outer_done", "v": 1, "round": 0, "used_peer": True, "rejected": None, "drifted": False, "save_error": None}
     assert (await receive(worker)) == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):

@@ -17,15 +17,17 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
-                                 ◀── {t: "outer_done", round, used_peer, rejected, save_error}
+                                 ◀── {t: "outer_done", round, used_peer, rejected, drifted,
+                                     save_error}
                                      (rejected: why the partner's payload was refused, or
-                                     None: the daemon penalizes a partner whose payload was;
+                                     None: the daemon penalizes a partner whose payload was,
+                                     with a ban unless drifted: not far past the bounds;
                                      save_error: the checkpoint could not be written, e.g. a
                                      full disk: training goes on, retried next round)
 
     DiLoCo instead collects every live node's payload before its outer step:
     {t: "accumulate", round, key}   ──▶ (the inbox holds the payload of peer ``key``)
-                                 ◀── {t: "accumulated", round, ok, reason}
+                                 ◀── {t: "accumulated", round, ok, reason, drifted}
     {t: "outer_go", round, key}     ──▶ (``key``: ours; Δs are averaged in key order, so
                                         every node sums in the same order, bit for bit)
     SPES (training/algorithms/spes.py) adds a block of expert slots and one command:

@@ -35,7 +35,12 @@ from training.settings import InnerConfig, OuterConfig
 
 
 class PayloadRejected(ValueError):
-    """A partner's outer payload failed the checks; the round goes on without it."""
+    """A partner's outer payload failed the checks; the round goes on without it.
+    ``drifted``: only too far from ours, not by much (``PartnerBounds.ban_factor``)."""
+
+    def __init__(self, message: str, *, drifted: bool = False) -> None:
+        super().__init__(message)
+        self.drifted = drifted
 
 
 class Trainer:
@@ -84,6 +89,8 @@ class Trainer:
         self.bounds = bounds or PartnerBounds()
         self.last_rejection: str | None = None
         """Why the last partner payload was refused (None if it was used, or there was none)."""
+        self.last_rejection_drifted = False
+        """The last refusal was of a replica that drifted, not of an attack (a point, no ban)."""
         self.expert_load: list[float] | None = None
         """A mixture of experts: each expert's share of the routed tokens over the last
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
@@ -164,7 +171,7 @@ class Trainer:
         try:
             check_partner(self.phi, outer_gradient(self.phi, self.theta()), peer, self.bounds)
         except PartnerRefused as exc:
-            raise PayloadRejected(str(exc)) from exc
+            raise PayloadRejected(str(exc), drifted=exc.drifted) from exc
         return peer
 
     def own_delta(self) -> Params:
@@ -191,6 +198,7 @@ class Trainer:
         and ``last_rejection`` says why."""
         used_peer = False
         self.last_rejection = None
+        self.last_rejection_drifted = False
         peer: PeerTensors | None = None
         if peer_wire is not None:
             try:
@@ -198,6 +206,7 @@ class Trainer:
                 used_peer = True
             except PayloadRejected as exc:
                 self.last_rejection = str(exc)
+                self.last_rejection_drifted = exc.drifted
                 peer = None
         if peer is not None and self.encoding.lossy and self._sent is None:
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")

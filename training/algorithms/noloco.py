@@ -20,7 +20,7 @@ def outer(
 ) -> Outer:
     peer = inbox.clone() if command.get("peer") is True else None
     used = trainer.apply_noloco(peer)
-    return Outer(used_peer=used, rejected=trainer.last_rejection)
+    return Outer(used_peer=used, rejected=trainer.last_rejection, drifted=trainer.last_rejection_drifted)
 
 
 def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:

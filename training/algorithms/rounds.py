@@ -32,6 +32,8 @@ class Outer:
 
     used_peer: bool
     rejected: str | None = None
+    drifted: bool = False
+    """``rejected`` only for being too far from ours (a point for its sender, no ban)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More fields for ``outer_done`` (SPES: the expert versions it refused)."""
 
@@ -219,10 +221,12 @@ def _rounds(
                     break
                 try:  # keep this peer's Δ (checked like any partner payload)
                     collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
-                    refusal = None
+                    refusal, drifted = None, False
                 except PayloadRejected as exc:
-                    refusal = str(exc)[:200]
-                ipc.write_blocking(replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal)
+                    refusal, drifted = str(exc)[:200], exc.drifted
+                ipc.write_blocking(
+                    replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
+                )
             result = outer(trainer, command, in_view, collected)
             save_error = save(config, trainer)  # before "outer_done": a round the daemon counted is kept
             ipc.write_blocking(
@@ -231,6 +235,7 @@ def _rounds(
                 round=round_index,
                 used_peer=result.used_peer,
                 rejected=result.rejected,
+                drifted=result.drifted,
                 save_error=save_error,
                 **result.extra,
             )

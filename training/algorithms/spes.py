@@ -78,7 +78,12 @@ def outer(
     used = trainer.apply_noloco(peer)
     trainer.set_owned(_owned(command, num_experts))
     trainer.merge_owned(round_index)
-    return Outer(used_peer=used, rejected=trainer.last_rejection, extra={"rejected_experts": rejected})
+    return Outer(
+        used_peer=used,
+        rejected=trainer.last_rejection,
+        drifted=trainer.last_rejection_drifted,
+        extra={"rejected_experts": rejected},
+    )
 
 
 def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:

@@ -12,7 +12,7 @@ from node.algorithms.base import Context
 from node.algorithms.noloco.pairing import Pairing
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
-from protocol.net.peers import BAN_POINTS
+from protocol.net.peers import BAN_POINTS, PENALTY_POINTS
 
 logger = logging.getLogger("node.training")
 
@@ -80,9 +80,10 @@ class Noloco(PayloadRounds):
         if self._partner is not None and isinstance(rejected, str):
             logger.warning("round %s: refused %s's payload: %s", done.get("round"), self._partner, rejected)
             self.ctx.metrics.payloads_refused += 1
-            # Honest partners stay far inside the bounds (training/noloco.py: measured ≤ 1.74
-            # and 3.7 against 8 and 16), and a NaN is never honest: no second chance.
-            await self.ctx.host.punish(self._partner, f"NoLoCo payload refused: {rejected[:200]}", points=BAN_POINTS)
+            # A NaN or a payload far past the bounds is never honest: no second chance. One
+            # just past them is a replica that drifted (training/noloco.py PartnerBounds).
+            points = PENALTY_POINTS if done.get("drifted") is True else BAN_POINTS
+            await self.ctx.host.punish(self._partner, f"NoLoCo payload refused: {rejected[:200]}", points=points)
         self._partner = None
 
 

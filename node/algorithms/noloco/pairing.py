@@ -294,7 +294,9 @@ class Pairing:
                 if answer == "asking":
                     # It is asking someone, as we were: back off before asking anyone again.
                     changed = self._changed
+                    # The question may have outlasted the sweep (a loaded peer): no pause then.
                     pause = min(backoff_s(self._ask_s, random.random()), sweep_until - trio.current_time())
+                    pause = max(pause, 0.0)
                     with trio.move_on_after(pause):
                         await changed.wait()  # or someone paired with us meanwhile
             changed = self._changed
