@@ -189,9 +189,9 @@ async def soak(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
         dead.clear()
         with trio.move_on_after(FINISH_TIMEOUT_S):
             # Until settled, or until every daemon left running finished (a crashed one never will).
-            while not settled(algorithm, [n for n in nodes if n.name not in crashed]) or (crashed and not all(
-                training(n).get("finished") for n in nodes if n.name not in crashed
-            )):
+            while not settled(algorithm, [n for n in nodes if n.name not in crashed]) or (
+                crashed and not all(training(n).get("finished") for n in nodes if n.name not in crashed)
+            ):
                 async with trio.open_nursery() as nursery:
                     for node in nodes:
                         nursery.start_soon(poll, node)

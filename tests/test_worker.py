@@ -141,7 +141,15 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     refused = await receive(worker)
     assert refused["ok"] is False and "NaN" in refused["reason"]
     await worker.send("outer_go", round=0, key="peer-a")
-    expected = {"t": "outer_done", "v": 1, "round": 0, "used_peer": True, "rejected": None, "drifted": False, "save_error": None}
+    expected = {
+        "t": "outer_done",
+        "v": 1,
+        "round": 0,
+        "used_peer": True,
+        "rejected": None,
+        "drifted": False,
+        "save_error": None,
+    }
     assert (await receive(worker)) == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):

@@ -190,9 +190,7 @@ class _OwnedFirst(torch.autograd.Function):
         return F.grouped_mm(hidden, w_out, offs=offs)
 
     @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xs, offs, w_in, w_out, pre, hidden = ctx.saved_tensors  # type: ignore[attr-defined]
         owned = offs[: ctx.num_owned]  # type: ignore[attr-defined]
         grad_out = grad_out.contiguous()

@@ -29,6 +29,20 @@ Global fixes (module state, applied when protocol/net/host.py is imported, befor
    peer no stream to it ever opened again (every ZO pull to it failed while a fresh
    connection worked). Now both undo the stream on any exit but a return, cancellation
    included. Test: tests/adversarial/test_resources.py (an open cancelled mid-SYN).
+4. Yamux's frame reader (``Yamux.handle_incoming``) writes the ACK of a peer's SYN, ping
+   answers and RSTs itself, through ``_write_frame``, behind the connection's one write
+   lock. A task writing DATA holds that lock while its write waits on a full TCP pipe; the
+   reader then stops reading until it gets the lock, and if the peer's reader is stopped
+   the same way neither pipe drains again: the connection stays up and nothing moves on it
+   (no stream opens, no negotiation is answered, no transfer ends), while a fresh
+   connection works. On 2 saturated cores in the 16-node soak (both sides writing, readers
+   scheduled late), stream opens failed in the open hundreds of times per node on live
+   connections. Now the reader hands its control frames to a task of the connection's
+   nursery and goes back to reading; a peer that makes us owe more than
+   ``MAX_PENDING_CONTROL_FRAMES`` of them (it writes and never reads) loses the
+   connection. Test: tests/test_yamux_reader.py (both readers held while the writers fill
+   the pipes: nothing moved before, everything does now). Found by a helper's reading of
+   yamux.py with a repro.
 
 Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
 6. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
@@ -59,6 +73,7 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError, ParseError
 from libp2p.io.exceptions import IOException
+from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.network.stream.net_stream import INetStream
 from libp2p.peer.id import ID
@@ -76,6 +91,8 @@ logger = logging.getLogger(__name__)
 KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
 # A protocol name in multistream-select is a short path ("/swarmtrain/state/1.0.0").
 MAX_MULTISELECT_NBYTES = 1024
+# Control frames (ACKs, ping answers, RSTs) a connection's reader may owe at once (fix 4).
+MAX_PENDING_CONTROL_FRAMES = 256
 
 
 def _use_our_kad_id() -> None:
@@ -141,10 +158,44 @@ async def _swarm_conn_new_stream(self: SwarmConn) -> Any:
         raise
 
 
+_yamux_reader = Yamux._handle_incoming_with_ready_signal
+_yamux_write_frame = Yamux._write_frame
+
+
+async def _yamux_reader_task(self: Yamux, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """0.8.1's reader, known as such to ``_yamux_write_frame_off_the_reader`` (fix 4)."""
+    self._swarmtrain_reader = trio.lowlevel.current_task()
+    self._swarmtrain_owed = 0
+    await _yamux_reader(self, task_status=task_status)
+
+
+async def _yamux_control_frame(self: Yamux, data: bytes) -> None:
+    try:
+        await _yamux_write_frame(self, data)
+    except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        logger.debug("a yamux control frame to %s was not written: %s", self.peer_id, exc)  # the reader sees the end
+    finally:
+        self._swarmtrain_owed -= 1
+
+
+async def _yamux_write_frame_off_the_reader(self: Yamux, data: bytes) -> None:
+    """``Yamux._write_frame``; from the reader, written by a task of its own (fix 4)."""
+    if trio.lowlevel.current_task() is not getattr(self, "_swarmtrain_reader", None) or self._nursery is None:
+        await _yamux_write_frame(self, data)
+        return
+    if self._swarmtrain_owed >= MAX_PENDING_CONTROL_FRAMES:
+        raise RawConnError(f"{self.peer_id} keeps asking for answers and does not read them")
+    self._swarmtrain_owed += 1
+    self._nursery.start_soon(_yamux_control_frame, self, data)
+    await trio.lowlevel.checkpoint()
+
+
 _use_our_kad_id()
 MultiselectCommunicator.read = _multiselect_read
 Yamux.open_stream = _yamux_open_stream
 SwarmConn.new_stream = _swarm_conn_new_stream
+Yamux._handle_incoming_with_ready_signal = _yamux_reader_task
+Yamux._write_frame = _yamux_write_frame_off_the_reader
 
 
 def _peer_of(net_stream: INetStream) -> str:

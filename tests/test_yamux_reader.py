@@ -1,0 +1,139 @@
+"""Yamux's frame reader never waits for the write lock (protocol/net/libp2p_fixes.py, fix 4).
+
+Two real hosts on loopback with small socket buffers. Both connection readers are held
+(a gate in front of their reads: the moment a reader is not scheduled on a saturated
+machine) while each side has a stream open waiting for its ACK and writers fill both TCP
+pipes, holding the write lock. Then the readers go on. In py-libp2p 0.8.1 each reader's
+first frame is the peer's SYN, whose ACK it writes itself behind the lock that a blocked
+writer holds: neither pipe drains again, nothing moves on the connection, no stream opens
+on it, and a fresh connection works (measured: 0 of 1 MiB moved each way in 60 s).
+"""
+
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import libp2p.stream_muxer.yamux.yamux as yamux_module
+import pytest
+import trio
+import trio.testing
+
+from protocol.net.conns import parse_peer_id
+from protocol.net.host import Host, open_host, parse_dial_addr
+
+pytestmark = pytest.mark.integration
+BULK = "/swarmtrain-test/bulk/1.0.0"
+ECHO = "/swarmtrain-test/echo/1.0.0"
+WRITERS = 4
+# Each writer's bytes fit the peer's yamux window (256 KiB): only the TCP pipe can stop it.
+NBYTES = 256 * 1024
+PIPE_NBYTES = 16 * 1024
+# Failure bounds, not waits: everything below takes well under a second when it works.
+BOUND_S = 30.0
+
+
+def _muxer(host: Host, other: Host) -> Any:
+    (conn,) = host._host.get_network().connections.get(parse_peer_id(other.peer_id), [])
+    return conn.muxed_conn
+
+
+async def test_readers_held_while_both_pipes_fill_do_not_deadlock_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held: set[int] = set()
+    gate = trio.Event()
+    read_exactly = yamux_module.read_exactly
+
+    async def gated_read_exactly(reader: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
+        if id(reader) in held and not gate.is_set():
+            await gate.wait()
+        data: bytes = await read_exactly(reader, n, *args, **kwargs)
+        return data
+
+    monkeypatch.setattr(yamux_module, "read_exactly", gated_read_exactly)
+    go = trio.Event()
+
+    async def bulk(stream: Any) -> None:
+        await go.wait()
+        await stream.write(b"x" * NBYTES)
+
+    async def echo(stream: Any) -> None:
+        await stream.write(await stream.read_exact(4))
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        for host in (a, b):
+            host.set_handler(BULK, bulk, deadline_s=BOUND_S)
+            host.set_handler(ECHO, echo)
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        for host, other in ((a, b), (b, a)):
+            for sock in host.socket_streams(other.peer_id):
+                sock.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_NBYTES)
+                sock.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, PIPE_NBYTES)
+        # Streams whose handlers will write (opened while all is well): a's from b, b's from a.
+        from_b = [await a.open_stream(b.peer_id, BULK, timeout_s=10) for _ in range(WRITERS)]
+        from_a = [await b.open_stream(a.peer_id, BULK, timeout_s=10) for _ in range(WRITERS)]
+        muxers = (_muxer(a, b), _muxer(b, a))
+        held.update(id(m.secured_conn) for m in muxers)
+        received = {"a": 0, "b": 0}
+        opened: list[str] = []
+
+        async def open_echo(src: Host, dst: Host, name: str) -> None:
+            stream = await src.open_stream(dst.peer_id, ECHO, timeout_s=BOUND_S)
+            await stream.write(b"ping")
+            assert await stream.read_exact(4) == b"ping"
+            opened.append(name)
+
+        async def drain(streams: list[Any], name: str) -> None:
+            for stream in streams:
+                received[name] += len(await stream.read_exact(NBYTES))
+
+        async def step(start: Callable[[], Awaitable[None]] | None = None) -> None:
+            if start is not None:
+                await start()
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+
+        stuck = False
+
+        async def unstick() -> None:
+            """Past the bound, close the sockets: a deadlocked connection would otherwise hold
+            every cancellation (libp2p resets a failed open shielded, behind the same lock)."""
+            nonlocal stuck
+            await trio.sleep(BOUND_S)
+            stuck = True
+            for host, other in ((a, b), (b, a)):
+                for sock in host.socket_streams(other.peer_id):
+                    await trio.aclose_forcefully(sock)
+
+        async with trio.open_nursery() as watchdog:
+            watchdog.start_soon(unstick)
+            try:
+                async with trio.open_nursery() as nursery:
+                    # A reader already inside a read when the gate closed passes one more
+                    # frame: the first opens each way take the readers to the gate...
+                    nursery.start_soon(open_echo, a, b, "a→b first")
+                    nursery.start_soon(open_echo, b, a, "b→a first")
+                    await step()
+                    # ...so these SYNs wait unread at the head of the pipes,
+                    nursery.start_soon(open_echo, a, b, "a→b")
+                    nursery.start_soon(open_echo, b, a, "b→a")
+                    await step()
+                    go.set()  # and the writers fill both pipes, holding the write locks.
+                    await step()
+                    assert all(m._write_lock.statistics().locked for m in muxers)
+                    gate.set()
+                    nursery.start_soon(drain, from_b, "a")
+                    nursery.start_soon(drain, from_a, "b")
+                # The same connection still opens streams.
+                await open_echo(a, b, "after")
+            except Exception:
+                if stuck:
+                    pytest.fail(f"nothing moved for {BOUND_S:g} s: bytes received {received}, streams opened {opened}")
+                raise
+            finally:
+                watchdog.cancel_scope.cancel()
+        assert received == {"a": WRITERS * NBYTES, "b": WRITERS * NBYTES}
+        assert sorted(opened) == sorted(["a→b first", "b→a first", "a→b", "b→a", "after"])
