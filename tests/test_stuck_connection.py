@@ -5,6 +5,7 @@ import pytest
 import trio
 
 from protocol.errors import StreamError
+from protocol.net.conns import parse_peer_id
 from protocol.net.host import STUCK_OPEN_FAILURES, open_host, parse_dial_addr
 from protocol.net.hostlike import StreamLike
 
@@ -43,3 +44,28 @@ async def test_a_connection_whose_streams_stop_opening_is_closed_and_the_next_st
         assert await stream.read_exact(2) == b"ok"
         await stream.close()
         assert us.stuck_connections_closed == 1
+
+
+async def test_a_closed_connection_left_listed_does_not_stop_the_next_stream_from_dialling() -> None:
+    """libp2p removes a connection from its table only at the end of its close; a close cut
+    short (our timeout, behind a stuck write) left it listed, and every stream to that peer
+    then failed at once with "No valid connections available" instead of dialling."""
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+
+    async def serve(stream: StreamLike) -> None:
+        await stream.write(b"ok")
+
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as us,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as peer,
+    ):
+        peer.set_handler(PROTOCOL, serve)
+        await us.connect(parse_dial_addr(peer.addrs()[0]), timeout_s=5)
+        (conn,) = us._host.get_network().get_connections(parse_peer_id(peer.peer_id))
+        # A close that stopped after marking the connection closed (a fault no public API makes).
+        conn.event_closed.set()
+        for sock in us.socket_streams(peer.peer_id):
+            await trio.aclose_forcefully(sock)
+        stream = await us.open_stream(peer.peer_id, PROTOCOL, timeout_s=10)  # dials again
+        assert await stream.read_exact(2) == b"ok"
+        await stream.close()

@@ -436,6 +436,7 @@ class Host:
         daemons failed this way hundreds of times over a connection that stayed up, while a
         fresh connection to the same daemon pulled its whole log in seconds.
         """
+        self._forget_closed_connections(peer_id)
         with trio.move_on_after(timeout_s) as scope:
             try:
                 raw = await self._host.new_stream(parse_peer_id(peer_id), [TProtocol(protocol_id)])
@@ -458,8 +459,30 @@ class Host:
         del self._open_failures[peer_id]
         self.stuck_connections_closed += 1
         logger.info("%d streams in a row to %s did not open: closing its connections to dial afresh", failures, peer_id)
+        # The sockets first: a close that writes its goodbye behind a stuck write would wait.
+        for stream in self.socket_streams(peer_id):
+            await trio.aclose_forcefully(stream)
         with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
             await self.disconnect(peer_id)
+        self._forget_closed_connections(peer_id)
+
+    def _forget_closed_connections(self, peer_id: str) -> None:
+        """Drop connections to ``peer_id`` that are closed but still listed. libp2p removes a
+        connection from its table only at the end of its close; a close cut short (by our
+        timeout) left it listed, and every new stream to that peer then failed at once with
+        "No valid connections available" instead of dialling (a helper's repro)."""
+        try:
+            key = parse_peer_id(peer_id)
+        except DialError:
+            return
+        connections = self._host.get_network().connections
+        listed = connections.get(key)
+        if listed and any(c.is_closed for c in listed):
+            alive = [c for c in listed if not c.is_closed]
+            if alive:
+                connections[key] = alive
+            else:
+                connections.pop(key, None)
 
     def set_handler(self, protocol_id: str, handler: StreamHandler, *, deadline_s: float = HANDLER_DEADLINE_S) -> None:
         """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.
