@@ -137,3 +137,38 @@ async def test_readers_held_while_both_pipes_fill_do_not_deadlock_the_connection
                 watchdog.cancel_scope.cancel()
         assert received == {"a": WRITERS * NBYTES, "b": WRITERS * NBYTES}
         assert sorted(opened) == sorted(["a→b first", "b→a first", "a→b", "b→a", "after"])
+
+
+async def test_a_stream_reset_behind_a_held_write_lock_ends_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libp2p resets a stream whose open failed in a shielded scope; the RST waited for the
+    write lock without a deadline, so while a writer held it (a slow peer's full pipe) the
+    failed open outlived every timeout of ours (fix 5)."""
+    from protocol.net import libp2p_fixes
+
+    monkeypatch.setattr(libp2p_fixes, "RST_WRITE_S", 0.5)
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        b.set_handler(ECHO, lambda stream: stream.read_exact(4))
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        stream = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
+        muxer = _muxer(a, b)
+        release = trio.Event()
+
+        async def hold_the_lock() -> None:
+            async with muxer._write_lock:
+                await release.wait()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold_the_lock)
+            await trio.testing.wait_all_tasks_blocked()
+            started = trio.current_time()
+            with trio.CancelScope(shield=True), trio.fail_after(BOUND_S):
+                await stream._raw.reset()  # as libp2p does after a failed open (ours is bounded)
+            assert trio.current_time() - started < BOUND_S
+            release.set()
+        with trio.fail_after(BOUND_S):  # the connection still works
+            again = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
+            await again.write(b"ping")

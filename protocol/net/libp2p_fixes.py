@@ -43,6 +43,11 @@ Global fixes (module state, applied when protocol/net/host.py is imported, befor
    connection. Test: tests/test_yamux_reader.py (both readers held while the writers fill
    the pipes: nothing moved before, everything does now). Found by a helper's reading of
    yamux.py with a repro.
+5. A stream's reset (``YamuxStream.reset``) writes its RST behind the same write lock with
+   no deadline, and libp2p calls it shielded when an open fails (``BasicHost.new_stream``):
+   while a writer holds the lock (a slow peer's full pipe), a failed open outlived our
+   timeout by as long (a helper's repro: over 60 s). The RST now gets ``RST_WRITE_S``;
+   past it the stream is closed here all the same. Test: tests/test_yamux_reader.py.
 
 Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
 6. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
@@ -72,7 +77,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError, ParseError
-from libp2p.io.exceptions import IOException
+from libp2p.io.exceptions import ConnectionClosedError, IOException
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.network.stream.net_stream import INetStream
@@ -81,7 +86,14 @@ from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.exceptions import MuxedStreamError
-from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_WINDOW_UPDATE, YAMUX_HEADER_FORMAT, Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import (
+    FLAG_RST,
+    FLAG_SYN,
+    TYPE_WINDOW_UPDATE,
+    YAMUX_HEADER_FORMAT,
+    Yamux,
+    YamuxStream,
+)
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from protocol.net.guard import Guard
@@ -93,6 +105,8 @@ KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
 MAX_MULTISELECT_NBYTES = 1024
 # Control frames (ACKs, ping answers, RSTs) a connection's reader may owe at once (fix 4).
 MAX_PENDING_CONTROL_FRAMES = 256
+# How long a stream's reset waits to write its RST (fix 5).
+RST_WRITE_S = 5.0
 
 
 def _use_our_kad_id() -> None:
@@ -190,12 +204,31 @@ async def _yamux_write_frame_off_the_reader(self: Yamux, data: bytes) -> None:
     await trio.lowlevel.checkpoint()
 
 
+async def _yamux_stream_reset(self: YamuxStream) -> None:
+    """0.8.1's ``YamuxStream.reset``, with the RST's write bounded (fix 5)."""
+    if not self.closed:
+        async with self.close_lock:
+            try:
+                header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_WINDOW_UPDATE, FLAG_RST, self.stream_id, 0)
+                with trio.move_on_after(RST_WRITE_S):
+                    await self.conn._write_frame(header)
+            except (RawConnError, ConnectionClosedError) as exc:
+                logger.debug("sending a RST, the connection likely closed: %s", exc)
+            finally:
+                self.closed = True
+                self.send_closed = True
+                self.recv_closed = True
+                self.reset_received = True
+        await self.conn._finalize_stream(self, fully_closed=True)
+
+
 _use_our_kad_id()
 MultiselectCommunicator.read = _multiselect_read
 Yamux.open_stream = _yamux_open_stream
 SwarmConn.new_stream = _swarm_conn_new_stream
 Yamux._handle_incoming_with_ready_signal = _yamux_reader_task
 Yamux._write_frame = _yamux_write_frame_off_the_reader
+YamuxStream.reset = _yamux_stream_reset
 
 
 def _peer_of(net_stream: INetStream) -> str:
