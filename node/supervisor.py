@@ -27,6 +27,8 @@ MAX_RESTART_DELAY_S = 60.0
 HEALTHY_RUN_S = 60.0
 # Set (to 1) by the test suite: a failed session raises there instead of restarting.
 STRICT_ENV = "SWARMTRAIN_STRICT"
+# A session that fails this many times in a row is a bug that restarting will not cure.
+MAX_SESSION_ERRORS_IN_A_ROW = 5
 
 
 class WorkerGone(Exception):
@@ -118,6 +120,7 @@ class Supervisor:
         self.num_starts = 0
         self.session_errors = 0
         """Sessions that ended in an error of ours (a bug), each followed by a restart."""
+        self._errors_in_a_row = 0
         self.finished = trio.Event()
         self.starting_point: StartingPoint | None = None
         """Asked when a worker with ``ask_start_from`` says ``built``."""
@@ -158,18 +161,24 @@ class Supervisor:
                 raise WorkerGone(f"worker began with {ready['t']!r}")
             connection.attach(ready)
             await self._session(connection)
+            self._errors_in_a_row = 0
             await connection.send("stop")
             return True
         except WorkerGone as exc:
+            self._errors_in_a_row = 0
             logger.warning("worker: %s", exc)
             return False
+        except MemoryError:
+            raise
         except Exception:
             # A bug on our side of the session (seen: a negative pause in pairing killed 3
             # daemons of a soak). The daemon stays up and the session starts again from the
-            # worker's checkpoint, as after a worker crash; tests want it loud instead.
-            if os.environ.get(STRICT_ENV) == "1":
-                raise
+            # worker's checkpoint, as after a worker crash; tests want it loud instead, and
+            # one that fails every time ends the daemon after a few tries.
             self.session_errors += 1
+            self._errors_in_a_row += 1
+            if os.environ.get(STRICT_ENV) == "1" or self._errors_in_a_row >= MAX_SESSION_ERRORS_IN_A_ROW:
+                raise
             logger.exception("the training session failed (a bug: please report it with this log); restarting")
             return False
         finally:

@@ -288,3 +288,43 @@ async def test_a_full_disk_is_a_clear_error_and_a_retry_not_a_crash(short_tmp: P
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
+
+
+async def test_a_session_failing_with_a_bug_restarts_the_worker_and_one_failing_every_time_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug on the daemon's side of a session (seen: a negative pause in pairing killed 3
+    daemons of a soak) restarts the session from the worker's checkpoint instead of ending
+    the daemon; one that fails every time still ends it; the test suite's strict mode
+    raises at once."""
+    from node import supervisor
+
+    monkeypatch.delenv(supervisor.STRICT_ENV)
+    monkeypatch.setattr(supervisor, "RESTART_DELAY_S", 0.0)
+    monkeypatch.setattr(supervisor, "MAX_SESSION_ERRORS_IN_A_ROW", 2)
+    run = RunSettings(algorithm="noloco", rounds=1, model="tiny", inner=InnerConfig(steps_per_round=5))
+    config = WorkerConfig(run=run, model_overrides=SMALL_MODEL)
+    sessions = []
+
+    async def fails_once(worker: WorkerConnection) -> None:
+        sessions.append(worker.start_round)
+        if len(sessions) == 1:
+            raise ValueError("a bug")
+
+    once = supervisor.Supervisor(config, fails_once)
+    with trio.fail_after(TIMEOUT_S):
+        await once.run()
+    assert once.num_starts == 2 and once.session_errors == 1 and once.finished.is_set()
+
+    async def always_fails(worker: WorkerConnection) -> None:
+        raise ValueError("the same bug")
+
+    always = supervisor.Supervisor(config, always_fails)
+    with trio.fail_after(TIMEOUT_S), pytest.raises(ValueError, match="the same bug"):
+        await always.run()
+    assert always.num_starts == 2 and always.session_errors == 2
+    monkeypatch.setenv(supervisor.STRICT_ENV, "1")
+    strict = supervisor.Supervisor(config, always_fails)
+    with trio.fail_after(TIMEOUT_S), pytest.raises(ValueError, match="the same bug"):
+        await strict.run()
+    assert strict.num_starts == 1

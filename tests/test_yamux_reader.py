@@ -139,13 +139,10 @@ async def test_readers_held_while_both_pipes_fill_do_not_deadlock_the_connection
         assert sorted(opened) == sorted(["a→b first", "b→a first", "a→b", "b→a", "after"])
 
 
-async def test_a_stream_reset_behind_a_held_write_lock_ends_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_stream_reset_behind_a_held_write_lock_does_not_wait_for_it() -> None:
     """libp2p resets a stream whose open failed in a shielded scope; the RST waited for the
     write lock without a deadline, so while a writer held it (a slow peer's full pipe) the
-    failed open outlived every timeout of ours (fix 5)."""
-    from protocol.net import libp2p_fixes
-
-    monkeypatch.setattr(libp2p_fixes, "RST_WRITE_S", 0.5)
+    failed open outlived every timeout of ours (fix 5). Now the RST waits in a task."""
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with (
         open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
@@ -168,6 +165,9 @@ async def test_a_stream_reset_behind_a_held_write_lock_ends_within_its_bound(mon
             with trio.CancelScope(shield=True), trio.fail_after(BOUND_S):
                 await stream._raw.reset()  # as libp2p does after a failed open (ours is bounded)
             assert trio.current_time() - started < BOUND_S
+            await trio.testing.wait_all_tasks_blocked()
+            waiting = [task.name for task in muxer._write_lock._lot._parked]
+            assert any(name.endswith("_yamux_control_frame") for name in waiting)  # the RST, written once it frees
             release.set()
         with trio.fail_after(BOUND_S):  # the connection still works
             again = await a.open_stream(b.peer_id, ECHO, timeout_s=10)

@@ -76,20 +76,22 @@ def check_partner(phi: Params, delta: Params, peer: "PeerTensors", bounds: Partn
     total_numel = sum(numels)
     norms = [float(torch.linalg.vector_norm(d.float())) for d in delta]
     total = math.sqrt(sum(n * n for n in norms))
-    worst: tuple[float, str] = (1.0, "")  # (how many bounds away, why)
+    worst: tuple[float, str] | None = None  # (how many bounds away, why)
     for k, (p, d_norm, n_k) in enumerate(zip(phi, norms, numels, strict=True)):
-        ref = max(max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0, 1e-30)
+        ref = max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0
         their_delta = float(torch.linalg.vector_norm(peer.delta[k].float()))
         phi_gap = float(torch.linalg.vector_norm((peer.phi[k] - p).float()))
-        for ratio, bound, why in (
-            (their_delta / ref, bounds.max_delta_ratio, "its outer gradient is {:.3g}× ours"),
-            (phi_gap / ref, bounds.max_phi_ratio, "its weights are {:.3g}× our update away"),
+        for value, bound, why in (
+            (their_delta, bounds.max_delta_ratio, "its outer gradient is {:.3g}× ours"),
+            (phi_gap, bounds.max_phi_ratio, "its weights are {:.3g}× our update away"),
         ):
-            if not ratio <= bound:  # NaN too
-                excess = ratio / bound if math.isfinite(ratio) else math.inf
-                if excess > worst[0] or not worst[1]:
-                    worst = (excess, f"tensor {k}: " + why.format(ratio))
-    if worst[1]:
+            if value <= bound * ref:  # the rule (NaN fails it); the ratio only reports and grades
+                continue
+            ratio = value / max(ref, 1e-30)
+            excess = ratio / bound if math.isfinite(ratio) else math.inf
+            if worst is None or excess > worst[0]:
+                worst = (excess, f"tensor {k}: " + why.format(ratio))
+    if worst is not None:
         raise PartnerRefused(worst[1], drifted=worst[0] <= bounds.ban_factor)
 
 

@@ -475,14 +475,10 @@ class Host:
             key = parse_peer_id(peer_id)
         except DialError:
             return
-        connections = self._host.get_network().connections
-        listed = connections.get(key)
-        if listed and any(c.is_closed for c in listed):
-            alive = [c for c in listed if not c.is_closed]
-            if alive:
-                connections[key] = alive
-            else:
-                connections.pop(key, None)
+        network = self._host.get_network()
+        for connection in list(network.connections.get(key, [])):
+            if connection.is_closed:
+                network.remove_conn(connection)  # the swarm's own bookkeeping (health, resource counts)
 
     def set_handler(self, protocol_id: str, handler: StreamHandler, *, deadline_s: float = HANDLER_DEADLINE_S) -> None:
         """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.

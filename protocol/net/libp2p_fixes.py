@@ -46,8 +46,9 @@ Global fixes (module state, applied when protocol/net/host.py is imported, befor
 5. A stream's reset (``YamuxStream.reset``) writes its RST behind the same write lock with
    no deadline, and libp2p calls it shielded when an open fails (``BasicHost.new_stream``):
    while a writer holds the lock (a slow peer's full pipe), a failed open outlived our
-   timeout by as long (a helper's repro: over 60 s). The RST now gets ``RST_WRITE_S``;
-   past it the stream is closed here all the same. Test: tests/test_yamux_reader.py.
+   timeout by as long (a helper's repro: over 60 s). The RST is now handed to a task of
+   the connection as fix 4's frames are (the lock's FIFO keeps it after the stream's
+   earlier frames) and the stream is closed here at once. Test: tests/test_yamux_reader.py.
 
 Per-host fixes (``guard_host``, called by ``open_host`` right after the host is built):
 6. Every inbound stream: the swarm's stream handler (``BasicHost._swarm_stream_handler``,
@@ -105,8 +106,6 @@ KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
 MAX_MULTISELECT_NBYTES = 1024
 # Control frames (ACKs, ping answers, RSTs) a connection's reader may owe at once (fix 4).
 MAX_PENDING_CONTROL_FRAMES = 256
-# How long a stream's reset waits to write its RST (fix 5).
-RST_WRITE_S = 5.0
 
 
 def _use_our_kad_id() -> None:
@@ -188,29 +187,44 @@ async def _yamux_control_frame(self: Yamux, data: bytes) -> None:
         await _yamux_write_frame(self, data)
     except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         logger.debug("a yamux control frame to %s was not written: %s", self.peer_id, exc)  # the reader sees the end
+    except Exception:  # the reader caught these before (its own except): never end the connection's nursery
+        logger.exception("writing a yamux control frame to %s", self.peer_id)
     finally:
         self._swarmtrain_owed -= 1
 
 
+def _owe_control_frame(self: Yamux, data: bytes) -> bool:
+    """Have a task of the connection write ``data`` when the write lock frees (its FIFO
+    keeps the order); False when the connection has no nursery (not started, or over)."""
+    if self._nursery is None:
+        return False
+    owed = getattr(self, "_swarmtrain_owed", 0)
+    if owed >= MAX_PENDING_CONTROL_FRAMES:
+        raise RawConnError(f"{MAX_PENDING_CONTROL_FRAMES} control frames to {self.peer_id} wait: its writes are stuck")
+    self._swarmtrain_owed = owed + 1
+    self._nursery.start_soon(_yamux_control_frame, self, data)
+    return True
+
+
 async def _yamux_write_frame_off_the_reader(self: Yamux, data: bytes) -> None:
     """``Yamux._write_frame``; from the reader, written by a task of its own (fix 4)."""
-    if trio.lowlevel.current_task() is not getattr(self, "_swarmtrain_reader", None) or self._nursery is None:
+    if trio.lowlevel.current_task() is not getattr(self, "_swarmtrain_reader", None) or not _owe_control_frame(
+        self, data
+    ):
         await _yamux_write_frame(self, data)
         return
-    if self._swarmtrain_owed >= MAX_PENDING_CONTROL_FRAMES:
-        raise RawConnError(f"{self.peer_id} keeps asking for answers and does not read them")
-    self._swarmtrain_owed += 1
-    self._nursery.start_soon(_yamux_control_frame, self, data)
     await trio.lowlevel.checkpoint()
 
 
 async def _yamux_stream_reset(self: YamuxStream) -> None:
-    """0.8.1's ``YamuxStream.reset``, with the RST's write bounded (fix 5)."""
+    """0.8.1's ``YamuxStream.reset``; the RST written by a task of the connection when the
+    write lock frees, not waited for (fix 5). A deadline on the write itself could cut a
+    noise frame in half and break the connection."""
     if not self.closed:
         async with self.close_lock:
             try:
                 header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_WINDOW_UPDATE, FLAG_RST, self.stream_id, 0)
-                with trio.move_on_after(RST_WRITE_S):
+                if not _owe_control_frame(self.conn, header):
                     await self.conn._write_frame(header)
             except (RawConnError, ConnectionClosedError) as exc:
                 logger.debug("sending a RST, the connection likely closed: %s", exc)
