@@ -32,10 +32,17 @@ def processes_with_marker(marker: str) -> list[int]:
 
 
 def _cmdline(pid: int) -> str:
+    """Its command line and signal masks (pending, blocked, ignored: a stuck Ctrl-C shows there)."""
     try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        masks = [
+            line
+            for line in (Path("/proc") / str(pid) / "status").read_text().splitlines()
+            if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        ]
     except OSError:
         return "?"
+    return f"{cmdline[:160]} [{' '.join(masks)}]"
 
 
 async def wait_until_gone(marker: str, *, timeout_s: float = 15.0) -> None:
@@ -100,7 +107,8 @@ class Proc:
         except trio.TooSlowError:
             # Who still holds the output pipe open (seen once in a full run, not reproduced).
             alive = {pid: _cmdline(pid) for pid in processes_with_marker(self.marker)} if self.marker else {}
-            partial = self._buffer.decode(errors="replace")[-4000:]
+            text = self._buffer.decode(errors="replace")
+            partial = text if len(text) <= 6000 else f"{text[:3000]}\n[...]\n{text[-3000:]}"
             raise AssertionError(
                 f"no exit within {TIMEOUT_S:g} s (exit code {self.process.poll()}); "
                 f"processes left: {alive}\n{self.output}\n{partial}"
@@ -201,6 +209,9 @@ async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, e
 
 
 async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:
+    # A child inherits a blocked or ignored SIGINT: then Ctrl-C could never reach it.
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     sim = await Proc.start(["simulate", "--nodes", "3", "--algorithm", "none", "--linger-s", "600"], env)
     await sim.expect("run sim-")  # the bootstrap is up and the nodes are starting
     sim.process.send_signal(signal.SIGINT)
