@@ -438,9 +438,9 @@ async def _run_until_terminated(options: SimulationOptions, base: Path) -> dict[
     deleted): the report, or the signal that stopped it.
 
     Ctrl-C arrives through the same receiver, not as a KeyboardInterrupt: Python raises
-    that in whatever code runs when the signal comes, and inside a ``__del__`` or a
-    finalizer it is printed and dropped. An interrupted simulation in the test suite once
-    went on printing its table for 90 s after its SIGINT."""
+    that in whatever code runs when the signal comes (inside a ``__del__`` or a finalizer it
+    is printed and dropped). A SIGINT ignored by whoever started us (a shell's background
+    job) stays ignored, as Python itself leaves it."""
     report: dict[str, Any] | int = signal.SIGTERM
     async with trio.open_nursery() as nursery:
 
@@ -451,7 +451,10 @@ async def _run_until_terminated(options: SimulationOptions, base: Path) -> dict[
 
         async def watch() -> None:
             nonlocal report
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            watched = [signal.SIGTERM]
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+                watched.append(signal.SIGINT)
+            with trio.open_signal_receiver(*watched) as signals:
                 async for signum in signals:
                     report = signum
                     if signum == signal.SIGTERM:
