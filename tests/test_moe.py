@@ -18,21 +18,33 @@ def _layer(grouped: bool, *, seed: int = 0) -> MoE:
     return layer
 
 
-@needs_grouped_mm
-def test_the_grouped_matmul_matches_the_loop_bit_for_bit_forward_and_backward() -> None:
+def _grouped_and_loop(
+    trained: list[int] | None = None,
+) -> tuple[MoE, list[torch.Tensor], list[list[torch.Tensor | None]]]:
+    """The same layer grouped and as a loop (``trained``: the experts left trainable), each
+    run forward and backward on one input: the grouped layer, and both outputs and gradients
+    (input's, then each parameter's; grouped first). Expert 3 gets no token at all: an empty group must work in both."""
     grouped, loop = _layer(True), _layer(False)
     loop.load_state_dict(grouped.state_dict())
-    # Expert 3 gets no token at all: an empty group must work in both.
     grouped.route_bias[3] = loop.route_bias[3] = -100.0
     x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(1))
     outs, grads = [], []
     for layer in (grouped, loop):
         layer.eval()  # the routing bias stays put between the two
+        if trained is not None:
+            for e, expert in enumerate(layer.experts):
+                expert.requires_grad_(e in trained)
         xi = x.clone().requires_grad_(True)
         out = layer(xi)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         outs.append(out.detach())
         grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    return grouped, outs, grads
+
+
+@needs_grouped_mm
+def test_the_grouped_matmul_matches_the_loop_bit_for_bit_forward_and_backward() -> None:
+    grouped, outs, grads = _grouped_and_loop()
     assert int(grouped.load[3]) == 0 and torch.equal(outs[0], outs[1])
     for a, b in zip(grads[0], grads[1], strict=True):
         assert a is not None and b is not None and torch.equal(a, b)
@@ -45,21 +57,8 @@ def test_frozen_experts_get_no_weight_gradient_and_the_rest_matches_the_loop_bit
     tokens first and computes weight gradients for them only; every output and gradient is
     the loop's, bit for bit (top-2: a token's two outputs add the same in either order),
     with empty groups on both sides (expert 3 gets no token)."""
-    grouped, loop = _layer(True), _layer(False)
-    loop.load_state_dict(grouped.state_dict())
-    grouped.route_bias[3] = loop.route_bias[3] = -100.0
-    x = torch.randn(5, 7, 16, generator=torch.Generator().manual_seed(1))
-    outs, grads = [], []
-    for layer in (grouped, loop):
-        layer.eval()
-        for e, expert in enumerate(layer.experts):
-            expert.requires_grad_(e in trained)
-        xi = x.clone().requires_grad_(True)
-        out = layer(xi)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        outs.append(out.detach())
-        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
-    assert grouped._owned_first(x) is not None  # the path under test ran
+    grouped, outs, grads = _grouped_and_loop(trained)
+    assert grouped._owned_first(torch.zeros(1)) is not None  # the path under test ran
     assert torch.equal(outs[0], outs[1])
     for a, b in zip(grads[0], grads[1], strict=True):
         assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -171,6 +171,20 @@ def test_finite_but_poisoned_payloads_are_refused(poison: str, reason: str) -> N
     assert all(bool(torch.isfinite(p).all()) for p in a.phi)
 
 
+def partner_payload(*, delta_times: float, updates_away: float) -> tuple[Trainer, torch.Tensor]:
+    """A trainer after its inner steps, and a partner's payload (float32) made from its own:
+    Δ = ``delta_times`` × ours, φ = ours + ``updates_away`` × our Δ."""
+    a, b = trainer(0), trainer(1)
+    a.inner_steps()
+    b.inner_steps()
+    flat = b.outer_payload().view(torch.float32).clone()
+    half = flat.numel() // 2
+    own = a.outer_payload().view(torch.float32)
+    flat[half:] = delta_times * own[half:]
+    flat[:half] = own[:half] + updates_away * own[half:]
+    return a, flat
+
+
 @pytest.mark.parametrize(("updates_away", "drifted"), [(30.0, True), (100.0, True), (200.0, False)])
 def test_a_replica_that_drifted_is_refused_without_a_ban_and_an_attack_is_not(
     updates_away: float, drifted: bool
@@ -178,14 +192,7 @@ def test_a_replica_that_drifted_is_refused_without_a_ban_and_an_attack_is_not(
     """φ = ours + c·Δ: the furthest tensor is exactly c of our updates away (the one whose
     share of ‖Δ‖ is largest has ref_k = ‖Δ_k‖); past 16 it is refused, and past 8 × 16 it
     is an attack. Honest replicas reached 16–25 in the soak (training/noloco.py)."""
-    a, b = trainer(0), trainer(1)
-    a.inner_steps()
-    b.inner_steps()
-    flat = b.outer_payload().view(torch.float32).clone()
-    half = flat.numel() // 2
-    own = a.outer_payload().view(torch.float32)
-    flat[half:] = own[half:]
-    flat[:half] = own[:half] + updates_away * own[half:]
+    a, flat = partner_payload(delta_times=1.0, updates_away=updates_away)
     with pytest.raises(PayloadRejected, match=f"{updates_away:.3g}× our update away") as refused:
         a.parse_payload(flat.view(torch.uint8))
     assert refused.value.drifted is drifted
@@ -195,12 +202,5 @@ def test_a_replica_that_drifted_is_refused_without_a_ban_and_an_attack_is_not(
 def test_an_honest_partner_stays_far_inside_the_bounds() -> None:
     """The bounds (training/noloco.py) hold for honest partners with a wide margin: a partner
     whose Δ is twice and whose φ is three updates off ours is still taken."""
-    a, b = trainer(0), trainer(1)
-    a.inner_steps()
-    b.inner_steps()
-    flat = b.outer_payload().view(torch.float32).clone()
-    half = flat.numel() // 2
-    own = a.outer_payload().view(torch.float32)
-    flat[half:] = 2 * own[half:]
-    flat[:half] = own[:half] + 3 * own[half:]
+    a, flat = partner_payload(delta_times=2.0, updates_away=3.0)
     a.parse_payload(flat.view(torch.uint8))

@@ -101,11 +101,13 @@ class MoE(nn.Module):
             token_of = order // self.top_k
             routed = self._experts(tokens[token_of], counts)
         else:
+            experts, num_trained = owned
+            permuted = torch.tensor(experts, device=counts.device)
             position = torch.empty_like(counts)
-            position[owned] = torch.arange(self.num_experts, device=counts.device)
+            position[permuted] = torch.arange(self.num_experts, device=counts.device)
             order = torch.argsort(position[flat], stable=True)
             token_of = order // self.top_k
-            routed = self._owned_experts(tokens[token_of], counts[owned], owned)
+            routed = self._owned_experts(tokens[token_of], counts[permuted], experts, num_trained)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         share = counts.to(probs.dtype) / flat.numel()
@@ -117,24 +119,26 @@ class MoE(nn.Module):
                 self.route_bias.add_(self.bias_rate * torch.sign(share.mean() - share))
         return out.reshape(shape)
 
-    def _owned_first(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The experts in the order ``_OwnedFirst`` takes them (trained ones first), or None
-        where the plain path serves: all or none trained, no gradient, or not on the CPU."""
+    def _owned_first(self, tokens: torch.Tensor) -> tuple[list[int], int] | None:
+        """The experts in the order ``_OwnedFirst`` takes them (trained ones first) and how
+        many are trained, or None where the plain path serves: all or none trained, no
+        gradient, or not on the CPU."""
         if not (self.grouped and torch.is_grad_enabled() and tokens.device.type == "cpu"):
             return None
         experts = cast(list[Expert], list(self.experts))
         trained = [e for e, expert in enumerate(experts) if expert.w_in.requires_grad]
         if not 0 < len(trained) < self.num_experts:
             return None
-        frozen = [e for e in range(self.num_experts) if e not in trained]
-        return torch.tensor(trained + frozen, device=tokens.device)
+        return trained + [e for e in range(self.num_experts) if e not in trained], len(trained)
 
-    def _owned_experts(self, xs: torch.Tensor, counts: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
-        """``_experts`` on tokens sorted in ``owned``'s order (``counts`` in that order)."""
+    def _owned_experts(
+        self, xs: torch.Tensor, counts: torch.Tensor, order: list[int], num_trained: int
+    ) -> torch.Tensor:
+        """``_experts`` on tokens sorted in ``order`` (``counts`` in that order), its first
+        ``num_trained`` experts trained."""
         experts = cast(list[Expert], list(self.experts))
-        order = owned.tolist()
-        trained = [experts[e] for e in order if experts[e].w_in.requires_grad]
-        frozen = [experts[e] for e in order[len(trained) :]]
+        trained = [experts[e] for e in order[:num_trained]]
+        frozen = [experts[e] for e in order[num_trained:]]
         offs = torch.cumsum(counts, 0).to(torch.int32)
         out: torch.Tensor = _OwnedFirst.apply(  # type: ignore[no-untyped-call]
             xs,

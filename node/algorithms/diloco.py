@@ -20,7 +20,6 @@ from node.supervisor import WorkerConnection, WorkerGone
 from protocol.errors import ProtocolError
 from protocol.net.exchange import Payload, TensorSpec, send_tensors
 from protocol.net.host import Host
-from protocol.net.peers import BAN_POINTS, PENALTY_POINTS
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -143,9 +142,7 @@ class Diloco(PayloadRounds):
             if reply["t"] != "accumulated":
                 raise WorkerGone(f"expected 'accumulated', got {reply['t']!r}")
             if reply.get("ok") is not True:
-                reason = str(reply.get("reason"))[:200]
-                points = PENALTY_POINTS if reply.get("drifted") is True else BAN_POINTS
-                await self.ctx.host.punish(peer_id, f"DiLoCo payload refused: {reason}", points=points)
+                await self.punish_refused(peer_id, "DiLoCo", str(reply.get("reason")), drifted=reply.get("drifted"))
         logger.info("round %d: val loss %.3f, DiLoCo over %d nodes", round_index, done["val_loss"], len(payloads) + 1)
         await worker.send("outer_go", round=round_index, key=self.ctx.host.peer_id)
 

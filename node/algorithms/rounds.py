@@ -21,6 +21,7 @@ from node.supervisor import Supervisor, WorkerConnection, WorkerGone
 from node.waiting import until
 from protocol.net.data_channel import DataChannel
 from protocol.net.exchange import Payload, TensorReceiver
+from protocol.net.peers import BAN_POINTS, PENALTY_POINTS
 
 logger = logging.getLogger("node.training")
 
@@ -39,6 +40,13 @@ class PayloadRounds:
     """The shared loop; a subclass says what a round exchanges (``exchange``)."""
 
     REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from", "memory", "expert_load")
+
+    async def punish_refused(self, peer_id: str, what: str, reason: str, *, drifted: object) -> None:
+        """A payload the worker refused costs its sender: a NaN or one far past the bounds is
+        never honest (a ban); one just past them is a replica that drifted (a point;
+        training/noloco.py PartnerBounds). ``drifted``: the worker's word, True or not."""
+        points = PENALTY_POINTS if drifted is True else BAN_POINTS
+        await self.ctx.host.punish(peer_id, f"{what} payload refused: {reason[:200]}", points=points)
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx

@@ -12,7 +12,6 @@ from node.algorithms.base import Context
 from node.algorithms.noloco.pairing import Pairing
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
-from protocol.net.peers import BAN_POINTS, PENALTY_POINTS
 
 logger = logging.getLogger("node.training")
 
@@ -80,10 +79,7 @@ class Noloco(PayloadRounds):
         if self._partner is not None and isinstance(rejected, str):
             logger.warning("round %s: refused %s's payload: %s", done.get("round"), self._partner, rejected)
             self.ctx.metrics.payloads_refused += 1
-            # A NaN or a payload far past the bounds is never honest: no second chance. One
-            # just past them is a replica that drifted (training/noloco.py PartnerBounds).
-            points = PENALTY_POINTS if done.get("drifted") is True else BAN_POINTS
-            await self.ctx.host.punish(self._partner, f"NoLoCo payload refused: {rejected[:200]}", points=points)
+            await self.punish_refused(self._partner, "NoLoCo", rejected, drifted=done.get("drifted"))
         self._partner = None
 
 
