@@ -35,6 +35,11 @@ class WorkerGone(Exception):
     """The worker exited or broke its protocol; the supervisor will start another."""
 
 
+class RestartWorker(WorkerGone):
+    """The session wants a fresh worker now (a replica that drifted from its peers takes a
+    peer's state): stopped and started again at once, with no crash backoff."""
+
+
 class WorkerConnection:
     """One running worker: its messages in, commands out, and its shared-memory blocks."""
 
@@ -121,6 +126,7 @@ class Supervisor:
         self.session_errors = 0
         """Sessions that ended in an error of ours (a bug), each followed by a restart."""
         self._errors_in_a_row = 0
+        self._restart_now = False
         self.finished = trio.Event()
         self.starting_point: StartingPoint | None = None
         """Asked when a worker with ``ask_start_from`` says ``built``."""
@@ -130,9 +136,12 @@ class Supervisor:
         while True:
             started = trio.current_time()
             self.num_starts += 1
+            self._restart_now = False
             if await self._run_once():
                 self.finished.set()
                 return
+            if self._restart_now:
+                continue
             if trio.current_time() - started > HEALTHY_RUN_S:
                 delay_s = RESTART_DELAY_S
             logger.warning("worker stopped unexpectedly; restarting in %.0f s", delay_s)
@@ -164,6 +173,11 @@ class Supervisor:
             self._errors_in_a_row = 0
             await connection.send("stop")
             return True
+        except RestartWorker as exc:
+            self._errors_in_a_row = 0
+            self._restart_now = True
+            logger.info("worker restarted: %s", exc)
+            return False
         except WorkerGone as exc:
             self._errors_in_a_row = 0
             logger.warning("worker: %s", exc)

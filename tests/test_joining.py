@@ -1,6 +1,8 @@
 """A NoLoCo node that joins late starts from a peer's state at the run's round, not from round 0."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,3 +91,66 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
             assert await joiner.join([a.peer_id], dest, last_round=4) == dest  # the run's last: no wait
         assert dest.read_bytes() == saved.read_bytes()
         assert offers.service.offer.sha256 == hashlib.sha256(saved.read_bytes()).hexdigest()
+
+
+# A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ
+# ratios reach 1.74, so ≥ 16 for most tensors) and within the attack margin of 128 (at most
+# 30 × 1.74 + the honest gap of 3.7): refused as a replica that drifted, not as an attack.
+DRIFT_UPDATES = 30.0
+# Rounds long enough that the asking and pulls of a node a moment behind its peers (its
+# worker started last) are small beside them: with rounds of ~0.1 s such a node falls
+# behind for good and never meets a partner.
+DRIFT_TRAINING = {**TRAINING, "run__settings__inner__steps_per_round": 20}
+
+
+def drift_what_it_receives(daemon: Daemon) -> Callable[[], None]:
+    """From now on ``daemon``'s worker finds every partner's φ far from its own, as if its
+    replica had drifted; returns the undo."""
+    import numpy as np
+
+    assert daemon.training is not None and isinstance(daemon.training.algorithm, Noloco)
+    pairing = daemon.training.algorithm.pairing
+    find = pairing.find_partner
+
+    async def drifted(round_index: int, outbox: memoryview, inbox: memoryview, *args: Any, **kwargs: Any) -> Any:
+        partner = await find(round_index, outbox, inbox, *args, **kwargs)
+        if partner is not None:
+            data = np.frombuffer(inbox, dtype=np.float32)  # a view: φ then Δ
+            half = data.size // 2
+            data[:half] += DRIFT_UPDATES * data[half:]
+        return partner
+
+    pairing.find_partner = drifted  # type: ignore[method-assign]
+    return lambda: setattr(pairing, "find_partner", find)
+
+
+@pytest.mark.integration
+async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pairs_again(short_tmp: Path) -> None:
+    """A node whose worker refuses two partners in a row as too far from its own weights is
+    the one that drifted: it takes a peer's state (as a joiner does) instead of training on
+    alone, refused by everyone, to the end of the run."""
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, DRIFT_TRAINING, run_name="drift")
+        await until(nodes, lambda: all(rounds_done(n) >= 2 for n in nodes), timeout_s=TIMEOUT_S)
+        # One in step with its peers (it paired most): a node whose worker started last can
+        # stay a round behind them, alone, and would meet no partner to refuse.
+        drifter = max(nodes, key=lambda n: n.training.metrics.rounds_with_partner if n.training else -1)
+        others = [n for n in nodes if n is not drifter]
+        assert drifter.training is not None
+        undo = drift_what_it_receives(drifter)
+        algorithm = drifter.training.algorithm
+        assert isinstance(algorithm, Noloco)
+        await until(nodes, lambda: algorithm.resyncs >= 1 or finished(drifter), timeout_s=TIMEOUT_S)
+        undo()
+        assert algorithm.resyncs == 1
+        refused_before = drifter.training.metrics.payloads_refused
+        partnered_before = drifter.training.metrics.rounds_with_partner
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
+        status = drifter.training.status()
+        assert status is not None
+        assert status["joined_from"] in {n.peer_id for n in others}
+        assert status["rounds"] == ROUNDS
+        # Its peers' weights are its own again: partners' payloads are used, none refused.
+        assert drifter.training.metrics.payloads_refused == refused_before >= 2
+        assert drifter.training.metrics.rounds_with_partner > partnered_before
+        assert not any(n.peers.is_banned(drifter.peer_id) or drifter.peers.is_banned(n.peer_id) for n in others)

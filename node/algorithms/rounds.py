@@ -10,6 +10,7 @@ algorithm's ``Inbox``, before a byte is allocated.
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -17,7 +18,7 @@ import trio
 
 from node.algorithms.base import Context
 from node.algorithms.joining import MEET_WAIT_S, StateOffers
-from node.supervisor import Supervisor, WorkerConnection, WorkerGone
+from node.supervisor import RestartWorker, Supervisor, WorkerConnection, WorkerGone
 from node.waiting import until
 from protocol.net.data_channel import DataChannel
 from protocol.net.exchange import Payload, TensorReceiver
@@ -56,6 +57,14 @@ class PayloadRounds:
         self.states = StateOffers(ctx.host, ctx.state.run_id, ctx.checkpoint_dir)
         self.start_round = 0
         self._late = False
+        self.resync_reason: str | None = None
+        """Set by a subclass when our replica has drifted from its peers': after this round
+        the worker starts again from a peer's state (``_resync``)."""
+        self.not_from: set[str] = set()
+        """Peers whose state a resync does not take (their payloads were refused as too far)."""
+        self.resyncs = 0
+        self._own_aside: Path | None = None
+        """Our own state, moved aside by a resync: where we start if no peer offers one."""
 
     # What a subclass provides.
 
@@ -164,8 +173,38 @@ class PayloadRounds:
         if not self._late or self.ctx.checkpoint_dir is None:
             return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        fetched = await self.states.join(self.ctx.partners(), dest, last_round=self.ctx.run.rounds)
+        peers = [p for p in self.ctx.partners() if p not in self.not_from]
+        fetched = await self.states.join(peers, dest, last_round=self.ctx.run.rounds)
+        if fetched is None and self._own_aside is not None:
+            logger.warning("no peer offers its state: going on from our own (%s)", self._own_aside)
+            fetched = self._own_aside
+        self._own_aside = None
         return None if fetched is None else str(fetched)
+
+    async def _resync(self) -> None:
+        """Our worker refused several peers' payloads in a row as too far from ours
+        (``resync_reason``): the replica that drifted is ours (in the soak, restarted nodes
+        that trained mostly alone drifted 16–25 updates away and were refused by everyone,
+        for good). Like a joiner, we take a peer's state at the run's round; our own is kept
+        aside, and is where we go on if no peer offers one."""
+        reason, self.resync_reason = self.resync_reason, None
+        own = self.ctx.worker_config.checkpoint_path
+        if own is None or self.ctx.checkpoint_dir is None:
+            logger.warning("our weights drifted from our peers' (%s), but we keep no state to replace", reason)
+            return
+        if not any(p not in self.not_from for p in self.ctx.partners()):
+            # A run of two: nobody else to tell which of us drifted, nor to take a state from.
+            logger.warning("our weights and our peers' are far apart (%s); no other peer to take a state from", reason)
+            return
+        aside = Path(f"{own}.drifted")
+        try:
+            await trio.to_thread.run_sync(os.replace, own, aside)
+        except OSError as exc:
+            logger.warning("our weights drifted from our peers' (%s); cannot move our state aside: %s", reason, exc)
+            return
+        self._late, self._own_aside = True, aside
+        self.resyncs += 1
+        raise RestartWorker(f"our weights drifted from our peers' ({reason}): taking a peer's state")
 
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
@@ -217,6 +256,8 @@ class PayloadRounds:
                         self._finished()
                         await self.linger()
                         return
+                    if self.resync_reason is not None:
+                        await self._resync()
                 else:
                     raise WorkerGone(f"unexpected {message['t']!r} from the worker")
         finally:

@@ -1,7 +1,9 @@
 """NoLoCo, daemon side: each round, one random live trainer as partner (node/algorithms/noloco/pairing.py:
 bounded wait; with nobody free, a one-way pull of a peer's payload of the round; then
 alone); its payload lands in the worker's inbox. A payload the worker
-refuses (non-finite, out of the partner bounds) bans its sender."""
+refuses (non-finite, far out of the partner bounds) bans its sender; one just out of them
+(a replica that drifted) costs a point, and when our worker refuses several peers in a row
+that way the replica that drifted is ours: we take a peer's state (``PayloadRounds._resync``)."""
 
 import logging
 from typing import Any
@@ -15,9 +17,21 @@ from node.supervisor import WorkerConnection
 
 logger = logging.getLogger("node.training")
 
+# Payloads refused as drifted (too far from ours, by less than an attack's margin) since our
+# worker last used one: from this many distinct partners, or this many in all, our replica is
+# the odd one out and takes a peer's state. One partner could be the one that drifted; two
+# that agree with each other and not with us point at us. An honest pair that drifted apart
+# met 5 rounds in a row in a 3-node test (each refusal a point: a ban before either met
+# anyone else), so the same partner refused again counts too: each side then takes the
+# state of a peer it has not refused (not of the one that may have drifted). A stranger
+# cannot drive this far: past the margin its payload bans it, and within it each refusal
+# costs it a point.
+RESYNC_AFTER_PEERS = 2
+RESYNC_AFTER_REFUSALS = 3
+
 
 class Noloco(PayloadRounds):
-    REPORT_KEYS = (*PayloadRounds.REPORT_KEYS, "rounds_pulled", "pulls_served")
+    REPORT_KEYS = (*PayloadRounds.REPORT_KEYS, "rounds_pulled", "pulls_served", "resyncs")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -28,6 +42,8 @@ class Noloco(PayloadRounds):
         """This round's partner, until the worker's outer step says what it made of it."""
         self.rounds_pulled = 0
         """Rounds whose partner payload was a pull (nobody was free to pair)."""
+        self._drifted_from: list[str] = []
+        """Partners whose payloads our worker refused as drifted since it last used one."""
 
     def inbox(self) -> Inbox:
         return self.pairing
@@ -39,7 +55,12 @@ class Noloco(PayloadRounds):
         return {"bytes_sent": self.pairing.bytes_sent, "bytes_received": self.pairing.bytes_received}
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "rounds_pulled": self.rounds_pulled, "pulls_served": self.pairing.pulls_served}
+        return {
+            **super().status(),
+            "rounds_pulled": self.rounds_pulled,
+            "pulls_served": self.pairing.pulls_served,
+            "resyncs": self.resyncs,
+        }
 
     async def linger(self) -> None:
         # A node a moment behind (a joiner: about a second) pulls our last round's payload
@@ -80,6 +101,15 @@ class Noloco(PayloadRounds):
             logger.warning("round %s: refused %s's payload: %s", done.get("round"), self._partner, rejected)
             self.ctx.metrics.payloads_refused += 1
             await self.punish_refused(self._partner, "NoLoCo", rejected, drifted=done.get("drifted"))
+            if done.get("drifted") is True:
+                self._drifted_from.append(self._partner)
+        elif done.get("used_peer") is True:
+            self._drifted_from.clear()
+        refused = self._drifted_from
+        if len(set(refused)) >= RESYNC_AFTER_PEERS or len(refused) >= RESYNC_AFTER_REFUSALS:
+            self.resync_reason = f"{len(refused)} payloads of {len(set(refused))} partners in a row too far from ours"
+            self.not_from = set(refused)
+            refused.clear()
         self._partner = None
 
 
