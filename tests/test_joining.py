@@ -142,7 +142,8 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         assert isinstance(algorithm, Noloco)
         await until(nodes, lambda: algorithm.resyncs >= 1 or finished(drifter), timeout_s=TIMEOUT_S)
         undo()
-        assert algorithm.resyncs == 1
+        metrics = drifter.training.metrics
+        assert algorithm.resyncs == 1, f"{metrics}, {algorithm.status()}"
         refused_before = drifter.training.metrics.payloads_refused
         partnered_before = drifter.training.metrics.rounds_with_partner
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
@@ -153,4 +154,5 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         # Its peers' weights are its own again: partners' payloads are used, none refused.
         assert drifter.training.metrics.payloads_refused == refused_before >= 2
         assert drifter.training.metrics.rounds_with_partner > partnered_before
-        assert not any(n.peers.is_banned(drifter.peer_id) or drifter.peers.is_banned(n.peer_id) for n in others)
+        bans = {(a.peer_id, b.peer_id) for a in nodes for b in nodes if a.peers.is_banned(b.peer_id)}
+        assert not bans, f"{metrics}, {status}"

@@ -257,3 +257,23 @@ async def test_a_question_that_outlasts_the_sweep_ends_the_sweep_instead_of_cras
 
 def pairing_round() -> "_Round":
     return _Round(0, memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+
+
+async def test_a_node_a_round_behind_pulls_its_peers_next_round() -> None:
+    """A node whose worker started a moment late reaches each boundary after its peers moved
+    on: their outboxes hold the next round's payload, which it may pull (one round ahead,
+    never more), so it does not train alone and fall further behind."""
+    async with nodes(3) as group:
+        (a, pa), (b, pb), (_, pc) = group
+        box = {i: (memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))) for i in range(3)}
+        for round_index in (0, 1, 2):  # a and b pair for rounds 0 to 2; their outboxes hold round 2
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda r=round_index: pa.find_partner(r, *box[0], [b.peer_id], timeout_s=20))
+                nursery.start_soon(lambda r=round_index: pb.find_partner(r, *box[1], [a.peer_id], timeout_s=20))
+        with trio.fail_after(60):
+            # Two rounds behind is too far: nothing to pull, alone at once.
+            assert await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id], timeout_s=600) is None
+            assert bytes(box[2][1]) == bytes(NBYTES)
+            pulled = await pc.find_partner(1, *box[2], [a.peer_id, b.peer_id], timeout_s=600)
+            assert pulled in (a.peer_id, b.peer_id)
+            assert pc.last_pulled and bytes(box[2][1]) in (bytes([1]) * NBYTES, bytes([2]) * NBYTES)
