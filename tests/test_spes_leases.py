@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.algorithms.spes.leases import SILENT_S, LeaseKeeper, Progress, assign, lapsed
+from node.algorithms.spes.leases import SILENT_S, LeaseKeeper, Progress, assign, lapsed, still_training
 from protocol import keys
 from protocol.errors import BadMessage
 from protocol.runstate.state import LEASE_OWNERS_KEPT, LeaseRecord, RunState, better_lease, sign_lease
@@ -120,6 +120,20 @@ def test_a_claim_naming_a_far_round_still_lapses_and_a_peer_not_training_gets_no
     assert keeper.active(trainers, heard, 7, now=0.0) == sorted([b, c])  # it published nothing since
     b_finished = Progress({a: 4, b: 3}, {a: 5, b: 5}, {a: (7, 0.0), b: (7, 0.0)}, training={a: True, b: False})
     assert keeper.active(trainers, b_finished, 7, now=0.0) == sorted([a, c])
+
+
+def test_a_finished_peers_experts_go_to_those_still_training_a_restarting_one_keeps_them() -> None:
+    """A node that finished its rounds would keep its experts frozen for the nodes still
+    training; one restarting its worker (seconds) says it is not training too, but must
+    not lose what it holds for that."""
+    a, b, c, d, e = PEERS[:5]
+    said = {a: True, b: False, c: False}
+    training = still_training(said, {a: 10, b: 10, c: 4}, last_round=10)
+    assert training == {a: True, b: False, c: True}  # b finished; c restarts at round 4
+    state = RunState(RUN)
+    keeper = LeaseKeeper(state, seed=SEED_OF[d], peer_id=d, lapse_rounds=2)
+    progress = Progress({}, {a: 10, b: 10, c: 4}, {p: (5, 0.0) for p in (a, b, c)}, training=training)
+    assert keeper.active([a, b, c, e], progress, 5, now=0.0) == sorted([a, c, d, e])  # e: not asked yet
 
 
 def test_claims_hand_experts_over_through_the_document() -> None:

@@ -26,7 +26,7 @@ import trio
 from node.algorithms.base import Context
 from node.algorithms.noloco import Noloco
 from node.algorithms.spes.experts import ExpertStore, Head
-from node.algorithms.spes.leases import LeaseKeeper, Progress
+from node.algorithms.spes.leases import LeaseKeeper, Progress, still_training
 from node.supervisor import WorkerConnection, WorkerGone, attach_block
 from protocol.net.peers import BAN_POINTS
 from protocol.runstate.state import MAX_EXPERTS
@@ -122,9 +122,9 @@ class Spes(Noloco):
     async def _lease(self, round_index: int) -> list[int]:
         """Run the rule, write our claims, and say what we train now."""
         store = self.store
-        progress = Progress(
-            store.newest_by_owner, store.reported, store.answered, self._listening or (round_index, trio.current_time())
-        )
+        training = still_training(store.peers_training, store.reported, self.ctx.run.rounds)
+        listening = self._listening or (round_index, trio.current_time())
+        progress = Progress(store.newest_by_owner, store.reported, store.answered, listening, training)
         active = self.keeper.active(self.ctx.partners(), progress, round_index, now=trio.current_time())
         updates = self.keeper.claims(self.keeper.owners(active), round_index)
         if self.ctx.run_service is not None:

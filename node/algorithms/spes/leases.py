@@ -15,10 +15,11 @@ same active peers computes the same owners:
    one of its experts that ranks first for the taker. A joiner is handed experts this way
    until the load is even. Each move lowers the sum of squared loads, so this ends.
 
-Active: a trainer member that is live (heartbeats within the peer TTL), that says its
-worker is in its rounds (not starting, restarting or finished: such a node would be given
-orphans and never train them, or keep experts frozen for nodes still training), and that
-has not lapsed. An owner (we first saw its claim at least ``lapse_rounds`` of our rounds
+Active: a trainer member that is live (heartbeats within the peer TTL), that has not said
+it finished its rounds (its experts would stay frozen for the nodes still training: they
+go to those), and that has not lapsed. A node starting or restarting its worker says it
+is not training too, but keeps what it holds: a worker restart takes seconds, and an owner
+that stays away lapses as below. An owner (we first saw its claim at least ``lapse_rounds`` of our rounds
 ago: our rounds, not the round a claim names, which its signer chooses) lapses when it
 missed ``lapse_rounds`` of *its* rounds: its own round, as it tells askers, is that far
 past its newest version; or when it has not answered us for ``lapse_rounds`` of our
@@ -124,7 +125,15 @@ class Progress:
     """Our round and the time when we began asking: a peer that never answered has been
     silent since then, not since its lease (a joiner has not asked anyone yet)."""
     training: Mapping[str, bool] | None = None
-    """What each peer said of its worker (in its rounds or not); None: not asked (tests)."""
+    """Per peer, False once it said it finished its rounds (node/algorithms/spes/ tells); a
+    peer not in it counts as training; None: nobody asked (tests)."""
+
+
+def still_training(said: Mapping[str, bool], reported: Mapping[str, int], last_round: int) -> dict[str, bool]:
+    """``Progress.training`` from what peers said in their heads (their worker in its rounds
+    or not, and their round): False only for a peer not training whose round is the run's
+    last (it finished); one starting or restarting its worker keeps its experts."""
+    return {p: training or reported.get(p, 0) < last_round for p, training in said.items()}
 
 
 def lapsed(
@@ -185,7 +194,7 @@ class LeaseKeeper:
             for p in trainers
             if p != self.peer_id
             and not self._banned(p)
-            and (progress.training is None or progress.training.get(p, False))
+            and (progress.training is None or progress.training.get(p, True))
             and not lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now)
         ]
         return sorted([self.peer_id, *others])
