@@ -69,6 +69,7 @@ from protocol.runstate.state import (
     sign_member,
 )
 from training import checkpoint, ipc, settings
+from training import corpus as text_corpus
 from training import data as token_data
 from training.models import GPT, GPTConfig
 from training.settings import InnerConfig, OuterConfig
@@ -1217,7 +1218,7 @@ _SMALL = GPTConfig(context_len=8, embed_dim=8, num_layers=1, num_heads=2)
 @cache
 def _trainers(compression: str) -> tuple[Trainer, bytes]:
     """A trainer after one round, and an honest partner's payload for it."""
-    tokens = token_data.encode(token_data.embedded_corpus()[:20_000])
+    tokens = token_data.encode(text_corpus.embedded_corpus()[:20_000])
     made = []
     for node in range(2):
         torch.manual_seed(0)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training import data, zo
+from training import corpus, data, zo
 from training.models import GPT, preset
 from training.settings import ZoConfig
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = preset(args.model)
-    tokens = data.encode(data.read_corpus(None))
+    tokens = data.encode(corpus.read_corpus(None))
     shards = [
         data.make_shard(tokens, context_len=config.context_len, node_index=i, num_nodes=args.nodes)
         for i in range(args.nodes)

@@ -1,4 +1,4 @@
-"""The ``swarmtrain`` command: node, join, status, stop, simulate.
+"""The ``swarmtrain`` command: node, join, status, stop, simulate, export, sample.
 
 Errors the user can fix (a bad flag or config value, a busy data dir, no daemon running)
 print one line and exit 2 (usage) or 1 (everything else), never a traceback.
@@ -18,12 +18,22 @@ from node.simulate import SimulationOptions, simulate
 from training import settings
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swarmtrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def _data_dir(args: argparse.Namespace) -> Path:
     return Path(args.data_dir) if args.data_dir else config_module.default_data_dir()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmtrain", description="Train models with strangers, peer to peer.")
+    parser.add_argument("--version", action="version", version=f"swarmtrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     node = sub.add_parser("node", help="run the node daemon")
     add_node_flags(node, with_bootstrap=True)
@@ -35,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--data-dir", type=Path, help="the daemon's data dir")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    export = sub.add_parser("export", help="write a run's trained model for transformers (safetensors)")
+    export.add_argument("--out", type=Path, required=True, help="folder to write the model into")
+    sample = sub.add_parser("sample", help="print a continuation of a prompt by a run's trained model")
+    sample.add_argument("--prompt", default="", help="text to continue (default: a new line)")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest (default 0.8)")
+    sample.add_argument("--top-k", type=int, default=40, help="draw among the k likeliest; 0: all (default 40)")
+    sample.add_argument("--seed", type=int, default=0, help="the same seed gives the same text")
+    for cmd in (export, sample):
+        cmd.add_argument("--data-dir", type=Path, help="the node's data dir")
+        cmd.add_argument("--run", metavar="ID", help="which run (default: the one trained last)")
     sim = sub.add_parser("simulate", help="run a whole network of nodes on this machine")
     sim.add_argument("--nodes", type=int, default=4, help="number of nodes besides the bootstrap (default 4)")
     sim.add_argument("--report", type=Path, help="write the JSON report here")
@@ -92,6 +113,26 @@ def _command(args: argparse.Namespace) -> int:
             return _status(_data_dir(args), as_json=args.json)
         case "stop":
             return _stop(_data_dir(args))
+        case "export":
+            from node.export import export_command
+
+            return export_command(_data_dir(args), args.run, args.out)
+        case "sample":
+            from node.export import sample_command
+
+            limits = {"--tokens": args.tokens, "--temperature": args.temperature, "--top-k": args.top_k}
+            for name, value in limits.items():
+                if value < 0:
+                    raise ConfigError(f"{name} must be >= 0, got {value}")
+            return sample_command(
+                _data_dir(args),
+                args.run,
+                args.prompt,
+                max_new_tokens=args.tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+            )
         case "simulate":
             options = SimulationOptions(
                 num_nodes=args.nodes,

@@ -169,6 +169,9 @@ class TrainingConfig:
     """torch threads of the worker."""
     compile: str = "auto"
     """torch.compile the model: auto (on CUDA only), on, off."""
+    data: str | None = None
+    """This node's copy of the run's text: a file or a folder of .txt/.md/.jsonl files
+    (training/corpus.py); None: the embedded corpus. A run started with it records its hash."""
 
     def __post_init__(self) -> None:
         _choice("training.compile", self.compile, COMPILE_MODES)
@@ -186,6 +189,10 @@ class NodeConfig:
     """Holds the identity, the control socket, the lock and saved run state."""
     log_level: str = "info"
     """One of debug, info, warning, error."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at http://metrics_host:PORT/metrics (0: a free port); None: off."""
+    metrics_host: str = "127.0.0.1"
+    """Where the metrics server listens (0.0.0.0 for a Prometheus on another machine)."""
     role: str = "trainer"
     """What this node does in a run: trainer, bootstrap (infrastructure only) or observer."""
     device: str = "auto"
@@ -200,6 +207,8 @@ class NodeConfig:
         _choice("log_level", self.log_level, LOG_LEVELS)
         _choice("role", self.role, ROLES)
         _choice("device", self.device, DEVICES)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: a TCP port is 0 to 65535, got {self.metrics_port}")
 
 
 def load(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:

@@ -6,9 +6,11 @@ then run discovery, state sync and the control API until asked to stop. Stopping
 goodbye on gossip, saves the run state and closes the host: no traceback, exit 0.
 """
 
+import dataclasses
 import logging
 import secrets
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -17,8 +19,9 @@ from node import api, identity
 from node.config import NodeConfig
 from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
-from node.errors import NodeError
+from node.errors import ConfigError, NodeError
 from node.logs import short_peer
+from node.metrics import NodeMetrics, serve_metrics
 from node.training import TrainingService
 from node.versions import our_versions
 from protocol.errors import BadMessage, ProtocolError
@@ -29,6 +32,8 @@ from protocol.net.peers import PeerTable
 from protocol.runstate.info import NodeInfo, ask_info, serve_info
 from protocol.runstate.run import RunService
 from protocol.runstate.state import MAX_ADDRS, Manifest, MemberRecord, RunState, sign_member
+from training import corpus
+from training.settings import RunSettings
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -51,6 +56,9 @@ class Daemon:
         self.seed = b""
         self.peer_id = ""
         self.identity_warning: str | None = None
+        self.metrics_url: str | None = None
+        self.data_sha256 = ""
+        """Of this node's --data ("" for the embedded corpus), hashed in ``prepare``."""
         """Set when the key file changed since the last start (said loudly, shown in status)."""
         self.host: Host | None = None
         self.run_service: RunService | None = None
@@ -67,7 +75,24 @@ class Daemon:
         self.seed = identity.load_or_create(self.data_dir.identity_file)
         self.peer_id = peer_id_from_seed(self.seed)
         self.identity_warning = identity.remember(self.data_dir.path / identity.RECORD_FILE, self.peer_id)
+        self.data_sha256 = self._hash_data()
         return self.peer_id
+
+    def _hash_data(self) -> str:
+        """The hash of this node's --data (read once, before the network starts: a path that
+        is not usable is the user's to fix now); "" for the embedded corpus."""
+        path = self.config.training.data
+        if path is None:
+            return ""
+        try:
+            return corpus.corpus_sha256(Path(path).expanduser())
+        except corpus.CorpusError as exc:
+            raise ConfigError(f"training.data (--data): {exc}") from exc
+
+    @property
+    def run_settings(self) -> RunSettings:
+        """What we would train: the configured settings with our data's hash."""
+        return dataclasses.replace(self.config.run.settings, data_sha256=self.data_sha256)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -139,7 +164,8 @@ class Daemon:
                         self.peers,
                         self.config.training,
                         state,
-                        own_settings=self.config.run.settings,
+                        own_settings=self.run_settings,
+                        data_path=self.config.training.data,
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
@@ -161,6 +187,12 @@ class Daemon:
             await nursery.start(self.discovery.run)
             nursery.start_soon(self._say_network, host)
             await nursery.start(api.serve, self.config.data_dir, {"status": self._api_status, "stop": self._api_stop})
+            if self.config.metrics_port is not None:
+                port = await nursery.start(
+                    serve_metrics, self.config.metrics_host, self.config.metrics_port, self._metrics
+                )
+                self.metrics_url = f"http://{self.config.metrics_host}:{port}/metrics"
+                logger.info("metrics at %s", self.metrics_url)
             self.ready.set()
             task_status.started()
             logger.info("ready%s", f" in run {run_id}" if run_id else " (no run: serving the DHT only)")
@@ -227,7 +259,7 @@ class Daemon:
                     name=self.config.run.new_run,
                     creator=self.peer_id,
                     created_at=time.time(),
-                    settings=self.config.run.settings.encode(),
+                    settings=self.run_settings.encode(),
                 ),
                 self.seed,
             )
@@ -342,7 +374,12 @@ class Daemon:
             "num_dht_lookups": self.discovery.num_lookups if self.discovery else 0,
             "num_gossip_received": rs.num_gossip_received if rs else 0,
             "training": self.training.status() if self.training else None,
+            "not_training": self.training.refusal if self.training else None,
+            "metrics_url": self.metrics_url,
         }
+
+    def _metrics(self) -> NodeMetrics:
+        return NodeMetrics.of(self.status(), bans=self.peers.bans_total, penalties=self.peers.penalties_total)
 
 
 def network_settled(nat: dict[str, Any]) -> bool:

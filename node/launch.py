@@ -54,6 +54,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--config", type=Path, help="TOML config file (flags override it)")
     parser.add_argument("--data-dir", type=Path, help="identity, lock, control socket, saved state")
     parser.add_argument("--listen", action="append", metavar="MULTIADDR", help="/ip4/IP/tcp/PORT (repeatable)")
+    parser.add_argument("--port", type=int, help="listen on this TCP port on every interface (for --listen)")
     parser.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to tell peers (repeatable)")
     if with_bootstrap:
         parser.add_argument(
@@ -65,6 +66,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--role", choices=config_module.ROLES)
     parser.add_argument("--device", choices=config_module.DEVICES)
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
     parser.add_argument("--upnp", action="store_true", default=None, help="ask the router to forward our port")
@@ -87,6 +89,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--model", choices=settings.MODEL_PRESETS, help="model preset (a new run trains it)")
     parser.add_argument("--compression", choices=settings.COMPRESSIONS, help="outer payload encoding (default none)")
     add_set_flag(parser)
+    parser.add_argument("--data", metavar="PATH", help="train on this text: a file, or a folder of .txt/.md/.jsonl")
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
@@ -108,6 +111,7 @@ _FLAG_TO_FIELD = {
     "role": "role",
     "device": "device",
     "log_level": "log_level",
+    "metrics_port": "metrics_port",
     "heartbeat_s": "state.heartbeat_interval_s",
     "peer_ttl_s": "state.peer_ttl_s",
     "algorithm": "run.settings.algorithm",
@@ -115,6 +119,7 @@ _FLAG_TO_FIELD = {
     "inner_steps": "run.settings.inner.steps_per_round",
     "model": "run.settings.model",
     "compression": "run.settings.compression",
+    "data": "training.data",
 }
 
 
@@ -147,6 +152,13 @@ def node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None)
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field_name] = str(value) if isinstance(value, Path) else value
+    port = getattr(args, "port", None)
+    if port is not None:
+        if getattr(args, "listen", None):
+            raise ConfigError("--port and --listen: give one of them (--port P means --listen /ip4/0.0.0.0/tcp/P)")
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"--port: a TCP port is 0 to 65535, got {port}")
+        overrides["network.listen"] = [f"/ip4/0.0.0.0/tcp/{port}"]
     if bootstrap is not None:
         overrides["network.bootstrap"] = bootstrap
     for name, value in assignments(args).items():

@@ -27,8 +27,47 @@ def format_status(status: dict[str, Any]) -> str:
     for peer in status["peers"]:
         link = peer["connection"] or "via gossip"
         lines.append(f"  {peer['peer_id']}  {peer['role'] or '?':9} {link:10} seen {peer['last_seen_s']:.1f} s ago")
+    training = status.get("training")
+    if status["run_id"]:
+        refusal = status.get("not_training")
+        idle = f"no: {refusal}" if refusal else "no"
+        lines.append("training      " + ("\n              ".join(training_lines(training)) if training else idle))
+    if status.get("metrics_url"):
+        lines.append(f"metrics       {status['metrics_url']}")
     lines.append(f"uptime        {status['uptime_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _megabytes(nbytes: object) -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if isinstance(nbytes, int | float) else "?"
+
+
+def training_lines(training: dict[str, Any]) -> list[str]:
+    """A node's training in two lines: where it is and how fast, then its exchanges."""
+    device = training.get("device") or "a worker still starting"
+    head = f"{training['algorithm']} on {device}: round {training['rounds']} of {training['rounds_total']}"
+    if training.get("final_loss") is not None:
+        head += f", loss {training['final_loss']:.3f}"
+    if training.get("tokens_per_s"):
+        head += f", {training['tokens_per_s']:,.0f} tokens/s"
+    if training.get("finished"):
+        head += ", finished"
+    elif training.get("eta_s") is not None:
+        head += f", about {_duration(training['eta_s'])} left"
+    exchanges = (
+        f"a partner in {training.get('rounds_with_partner', 0)} of {len(training.get('loss_curve') or [])} rounds, "
+        f"{_megabytes(training.get('bytes_sent'))} sent, {_megabytes(training.get('bytes_received'))} received"
+    )
+    return [head, exchanges]
 
 
 def _say(text: str) -> None:
@@ -41,10 +80,11 @@ async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
     status = daemon.status()
     _say(f"joined through {join_addr}")
     _say(format_status(status))
-    _say("doing: keeping the run state in sync (training arrives with a later release); Ctrl-C to leave")
+    _say("doing: keeping the run state in sync, and training when the run trains; Ctrl-C to leave")
     seen = {p["peer_id"] for p in status["peers"]}
     digest, members = status["state_digest"], status["members"]
     network = ""
+    trained: tuple[object, ...] = ()
     while True:
         await trio.sleep(POLL_INTERVAL_S)
         status = daemon.status()
@@ -61,4 +101,8 @@ async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
         line += ", peers " + (", ".join(f"{p} {kind}" for p, kind in sorted(kinds.items())) or "none connected")
         if line != network:
             _say(line)
-        seen, digest, members, network = now_seen, status["state_digest"], status["members"], line
+        training = status.get("training")
+        progress = (training["rounds"], training["device"], training["finished"]) if training else ()
+        if training and progress != trained:  # once per round: no repeated lines when not on a TTY
+            _say("training: " + "; ".join(training_lines(training)))
+        seen, digest, members, network, trained = now_seen, status["state_digest"], status["members"], line, progress

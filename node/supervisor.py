@@ -130,6 +130,8 @@ class Supervisor:
         self.finished = trio.Event()
         self.starting_point: StartingPoint | None = None
         """Asked when a worker with ``ask_start_from`` says ``built``."""
+        self.device: str | None = None
+        """Where the last worker trains, as it said (``cpu``, ``cuda``...)."""
 
     async def run(self) -> None:
         delay_s = RESTART_DELAY_S
@@ -147,6 +149,17 @@ class Supervisor:
             logger.warning("worker stopped unexpectedly; restarting in %.0f s", delay_s)
             await trio.sleep(delay_s)
             delay_s = min(2 * delay_s, MAX_RESTART_DELAY_S)
+
+    def _note_device(self, device: str) -> None:
+        """Say it on the console when the worker does not train where it was asked to (a GPU
+        machine with a CPU build of torch): once, not at every restart."""
+        if device and device.split(":")[0] != self.config.device.split(":")[0] and device != self.device:
+            logger.warning(
+                "asked to train on %s, but the worker trains on %s (its reason is in the worker log)",
+                self.config.device,
+                device,
+            )
+        self.device = device or None
 
     async def _run_once(self) -> bool:
         """One worker's life; True if it finished its rounds."""
@@ -169,6 +182,7 @@ class Supervisor:
             if ready["t"] != "ready":
                 raise WorkerGone(f"worker began with {ready['t']!r}")
             connection.attach(ready)
+            self._note_device(str(ready.get("device") or ""))
             await self._session(connection)
             self._errors_in_a_row = 0
             await connection.send("stop")

@@ -62,6 +62,26 @@ def adopt(ours: RunSettings, manifest: Manifest) -> RunSettings | None:
     return theirs
 
 
+def data_for_run(run: RunSettings, path: str | None, ours: str) -> tuple[str | None, str | None]:
+    """The data path the worker trains on in this run (None: the embedded corpus), and why we
+    cannot train in it (None if we can). ``path``, ``ours``: our --data and its hash."""
+    if not run.data_sha256:
+        if path is not None:
+            logger.warning("the run trains on the built-in corpus: --data %s is not used", path)
+        return None, None
+    if path is None:
+        return None, (
+            f"the run trains on its own data (SHA-256 {run.data_sha256[:16]}…): "
+            "start the node with --data pointing at a copy of it"
+        )
+    if ours != run.data_sha256:
+        return None, (
+            f"--data {path} (SHA-256 {ours[:16]}…) is not the run's data (SHA-256 {run.data_sha256[:16]}…): "
+            "every trainer needs the same files"
+        )
+    return path, None
+
+
 class TrainingService:
     def __init__(
         self,
@@ -71,6 +91,7 @@ class TrainingService:
         state: RunState,
         *,
         own_settings: RunSettings | None = None,
+        data_path: str | None = None,
         listen_ip: str,
         log_path: str,
         upload_limit_mbps: float = 0.0,
@@ -84,6 +105,9 @@ class TrainingService:
         self._config = config
         self._own_settings = own_settings or RunSettings()
         """What we would train (the user's, for a run we create): the run's replace them."""
+        self._data_path = data_path
+        self.refusal: str | None = None
+        """Why this node does not train in the run it is in (its data is not the run's...)."""
         self._state = state
         self._listen_ip = listen_ip
         self._log_path = log_path
@@ -107,6 +131,12 @@ class TrainingService:
             if self._state.manifest is None:
                 await changed.wait()
         run = adopt(self._own_settings, manifest)
+        data_path, self.refusal = (
+            (None, None) if run is None else data_for_run(run, self._data_path, self._own_settings.data_sha256)
+        )
+        if self.refusal is not None:
+            logger.error("not training in this run: %s; staying on the network", self.refusal)
+            run = None
         self.adopted.set()
         if run is None:
             self.started.set()
@@ -114,6 +144,7 @@ class TrainingService:
         config = self._config
         worker_config = WorkerConfig(
             run=run,
+            data_path=data_path,
             node_index=config.shard_index,
             num_nodes=config.num_shards,
             threads=config.threads,
@@ -149,9 +180,18 @@ class TrainingService:
         if self.algorithm is None:
             return None
         m = self.metrics
+        total = self.algorithm.ctx.run.rounds
+        trained_here = len(m.loss_curve)  # rounds this node trained (from where it started)
+        per_round_s = m.train_wall_s / trained_here if trained_here and m.train_wall_s > 0 else None
         return {
             "algorithm": self.algorithm.ctx.run.algorithm,
+            "device": self.algorithm.supervisor.device,
+            "data_sha256": self.algorithm.ctx.run.data_sha256 or None,
             "rounds": m.rounds,
+            "rounds_total": total,
+            "tokens": m.tokens,
+            "tokens_per_s": round(m.tokens / m.train_wall_s, 1) if m.tokens and m.train_wall_s > 0 else None,
+            "eta_s": None if m.finished or per_round_s is None else round(max(0, total - m.rounds) * per_round_s, 1),
             "rounds_with_partner": m.rounds_with_partner,
             "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
             "loss_curve": m.loss_curve,

@@ -41,6 +41,8 @@ FAST = {
     "discovery.interval_s": 1.0,
     "discovery.idle_interval_s": 4.0,
     "network.dial_timeout_s": 5.0,
+    # A run started here forms the network only unless the test says what it trains.
+    "run.settings.algorithm": "none",
 }
 
 

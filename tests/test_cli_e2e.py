@@ -240,7 +240,11 @@ async def test_killed_simulation_leaves_no_process(env: dict[str, str]) -> None:
 async def test_node_status_join_stop_and_restart(short_tmp: Path, env: dict[str, str]) -> None:
     node_dir, join_dir = short_tmp / "node", short_tmp / "join"
     flags = ["--listen", "/ip4/127.0.0.1/tcp/0"]
-    node = await Proc.start(["node", "--data-dir", str(node_dir), *flags, "--new-run", "e2e"], env)
+    # A run that trains nothing: this is about the network, the status and clean stops
+    # (tests/test_walkthrough.py trains).
+    node = await Proc.start(
+        ["node", "--data-dir", str(node_dir), *flags, "--new-run", "e2e", "--algorithm", "none"], env
+    )
     await node.expect("ready in run e2e-")
 
     status_run = await trio.run_process(

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from training import data
+from training import corpus, data
 from training.checkpoint import CheckpointError
 from training.models import GPT, GPTConfig, preset
 from training.settings import InnerConfig, OuterConfig, SpesConfig
@@ -14,7 +14,7 @@ from training.spes import EXPERT_BOUND, SpesTrainer, check_version, merge, merge
 from training.trainer import Trainer
 
 SMALL_MOE = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2, num_experts=4)
-TOKENS = data.encode(data.embedded_corpus()[:200_000])
+TOKENS = data.encode(corpus.embedded_corpus()[:200_000])
 
 
 def shard(node_index: int = 0, num_nodes: int = 2, context_len: int = 32) -> data.Shard:

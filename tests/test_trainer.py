@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from training import data
+from training import corpus, data
 from training.models import GPT, GPTConfig
 from training.settings import InnerConfig, OuterConfig
 from training.trainer import PayloadRejected, Trainer
 
 SMALL = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2)
-TOKENS = data.encode(data.embedded_corpus()[:200_000])
+TOKENS = data.encode(corpus.embedded_corpus()[:200_000])
 
 
 def trainer(node_index: int, num_nodes: int = 2, *, steps: int = 10, compression: str = "none") -> Trainer:

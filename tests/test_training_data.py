@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import data
+from training import corpus, data
 from training.models import GPT, GPTConfig, preset
 
 
 def test_embedded_corpus_is_deterministic_and_round_trips() -> None:
-    text = data.embedded_corpus()
+    text = corpus.embedded_corpus()
     assert len(text) > 400_000
-    assert text == data.embedded_corpus()
+    assert text == corpus.embedded_corpus()
     tokens = data.encode(text[:1000])
     assert data.decode(tokens) == text[:1000].decode()
 
@@ -21,12 +21,28 @@ def test_user_folder_is_read_in_sorted_order(tmp_path: Path) -> None:
     (tmp_path / "b.txt").write_text("second")
     (tmp_path / "a.md").write_text("first")
     (tmp_path / "skip.bin").write_bytes(b"\x00")
-    assert data.read_corpus(tmp_path) == b"first\n\nsecond"
+    assert corpus.read_corpus(tmp_path) == b"first\n\nsecond"
     with pytest.raises(ValueError, match="does not exist"):
-        data.read_corpus(tmp_path / "missing")
+        corpus.read_corpus(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"no \.txt/\.md files"):
-        data.read_corpus(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"no \.txt, \.md, \.jsonl files"):
+        corpus.read_corpus(tmp_path / "empty")
+
+
+def test_jsonl_documents_are_read_by_their_text_field_and_bad_lines_named(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    lines = ['{"text": "one", "id": 1}', "", '{"text": "two"}']
+    (tmp_path / "docs" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "docs" / "b.txt").write_text("three")
+    assert corpus.read_corpus(tmp_path / "docs") == b"one\n\ntwo\n\nthree"
+    assert corpus.corpus_sha256(tmp_path / "docs") == corpus.corpus_sha256(tmp_path / "docs")
+    before = corpus.corpus_sha256(tmp_path / "docs")
+    (tmp_path / "docs" / "b.txt").write_text("three!")
+    assert corpus.corpus_sha256(tmp_path / "docs") != before  # a changed file is other data
+    for bad, why in (('{"text": 3}', 'string "text"'), ("[1, 2]", 'string "text"'), ("{not json", "not JSON")):
+        (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + bad + "\n")
+        with pytest.raises(corpus.CorpusError, match=f"bad.jsonl:2: .*{why}"):
+            corpus.read_corpus(tmp_path / "bad.jsonl")
 
 
 def test_shards_are_disjoint_cover_the_training_blocks_and_share_validation() -> None:
@@ -40,7 +56,7 @@ def test_shards_are_disjoint_cover_the_training_blocks_and_share_validation() ->
 
 
 def test_batches_are_reproducible_and_shifted() -> None:
-    shard = data.make_shard(data.encode(data.embedded_corpus()), context_len=32, node_index=1, num_nodes=4)
+    shard = data.make_shard(data.encode(corpus.embedded_corpus()), context_len=32, node_index=1, num_nodes=4)
     x1, y1 = shard.batch(batch_size=4, seed=1, step=7)
     x2, y2 = shard.batch(batch_size=4, seed=1, step=7)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)

@@ -1,9 +1,6 @@
 """Text in, batches of token ids out: an embedded corpus, a byte tokenizer, per-node shards.
 
-- The default corpus is Python's own documentation topics (``pydoc_data``, ≈465 kB,
-  shipped with every CPython): no download, identical on every machine.
-- Users point at their own text: a file, or a folder whose ``.txt`` and ``.md`` files are
-  read in sorted order (so every node builds the same token stream).
+- The text: the embedded corpus or the user's files (training/corpus.py, torch-free).
 - Tokens are bytes (vocabulary 256): nothing to train, nothing to ship, exact on any text.
 - The stream is cut into blocks of ``context_len + 1`` tokens; the last ``val_fraction``
   of blocks is the validation set, shared by all nodes; the rest is dealt round-robin,
@@ -12,38 +9,10 @@
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 VOCAB_SIZE = 256
-TEXT_SUFFIXES = (".txt", ".md")
-# Refuse to read more than this from user paths: a mistaken `/` should fail, not fill memory.
-MAX_CORPUS_NBYTES = 1 << 30
-
-
-def embedded_corpus() -> bytes:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode()
-
-
-def read_corpus(path: Path | None) -> bytes:
-    """The embedded corpus, or the text at ``path`` (a file, or a folder of .txt/.md files)."""
-    if path is None:
-        return embedded_corpus()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ValueError(f"training data {path} does not exist")
-    total = sum(f.stat().st_size for f in files)
-    if total > MAX_CORPUS_NBYTES:
-        raise ValueError(f"training data under {path} is {total} bytes, more than {MAX_CORPUS_NBYTES}")
-    return b"\n\n".join(f.read_bytes() for f in files)
 
 
 def encode(text: bytes) -> torch.Tensor:

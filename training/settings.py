@@ -135,8 +135,9 @@ class SpesConfig:
 class RunSettings:
     """Everything every trainer of a run must do alike; the run's creator decides."""
 
-    algorithm: str = "none"
-    """none (network only), noloco, diloco (average with every live peer: a baseline),
+    algorithm: str = "noloco"
+    """noloco (the default: a node that starts a run trains), none (network only), diloco
+    (average with every live peer: a baseline),
     local (no averaging: the other baseline), zo (seed-based zeroth-order) or spes
     (sparse expert sync: a mixture-of-experts model, each node training its own experts)."""
     model: str = "tiny"
@@ -148,6 +149,10 @@ class RunSettings:
     seed: int = 0
     """The run's initial weights (the same on every node) and the order of each node's
     batches: runs that differ only in it show what chance does (bench/spes.py)."""
+    data_sha256: str = ""
+    """The SHA-256 of the text the run trains on (training/corpus.py), set by a creator
+    started with ``--data``; "" is the embedded corpus. A node trains in the run only with
+    data that hashes the same."""
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     zo: ZoConfig = field(default_factory=ZoConfig)
@@ -159,6 +164,11 @@ class RunSettings:
         _choice("compression", self.compression, COMPRESSIONS)
         _in_range("rounds", self.rounds, 1, 1 << 30)
         _in_range("seed", self.seed, 0, 65535)
+        _check(
+            self.data_sha256 == ""
+            or (len(self.data_sha256) == 64 and set(self.data_sha256) <= set("0123456789abcdef")),
+            f"data_sha256: a SHA-256 in lowercase hex, or empty, got {self.data_sha256!r:.80}",
+        )
         _check(
             self.algorithm not in algorithms.MIXTURE_OF_EXPERTS or self.model in MOE_PRESETS,
             f"model: {self.algorithm} trains a mixture of experts ({', '.join(MOE_PRESETS)}), got {self.model!r}",

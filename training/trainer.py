@@ -110,6 +110,11 @@ class Trainer:
             "optimizer_state_bytes": sum(t.nbytes for t in (*adam, *self.momentum, *self.phi)),
         }
 
+    def tokens_per_round(self) -> int:
+        """Tokens the inner steps of one round train on (a batch's inputs, H times)."""
+        context_len = self.shard.train.shape[1] - 1  # a block is its inputs and one more target
+        return self.inner.steps_per_round * self.inner.batch_size * context_len
+
     def inner_steps(self) -> float:
         """H AdamW steps on θ; returns the mean training loss."""
         self.model.train()

@@ -24,6 +24,8 @@ class TrainingMetrics:
     """[step, validation loss] at the end of each round's inner steps."""
     rounds: int = 0
     rounds_with_partner: int = 0
+    tokens: int = 0
+    """Tokens the inner steps trained on (every worker of this node, restarts included)."""
     compute_s: float = 0.0
     """Inner steps and payload export, as the worker timed them."""
     sync_wait_s: float = 0.0

@@ -233,6 +233,8 @@ class PayloadRounds:
                 elif message["t"] == "round_done":
                     metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
                     metrics.compute_s += float(message.get("compute_s", 0.0))
+                    tokens = message.get("tokens")
+                    metrics.tokens += tokens if type(tokens) is int and tokens > 0 else 0
                     memory = message.get("memory")
                     if isinstance(memory, dict):
                         metrics.memory = {k: int(v) for k, v in memory.items() if type(v) is int}

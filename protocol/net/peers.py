@@ -39,6 +39,10 @@ class PeerTable:
         self.ttl_s = ttl_s
         self._peers: dict[str, PeerStatus] = {}
         self._changed = trio.Event()
+        self.penalties_total = 0
+        """Penalty points given since start (metrics)."""
+        self.bans_total = 0
+        """Bans since start (metrics)."""
 
     def _info(self, peer_id: str) -> PeerStatus:
         return self._peers.setdefault(peer_id, PeerStatus())
@@ -95,9 +99,11 @@ class PeerTable:
         self._decay(info, now)
         info.penalty += PENALTY_POINTS
         info.penalized_at = now
+        self.penalties_total += PENALTY_POINTS
         logger.warning("peer %s misbehaved (%s); penalty %d/%d", peer_id, reason, info.penalty, BAN_POINTS)
         if info.penalty >= BAN_POINTS:
             info.banned_until = trio.current_time() + BAN_S
+            self.bans_total += 1
             info.penalty = 0
             info.last_seen = -math.inf
             logger.warning("peer %s banned for %.0f s", peer_id, BAN_S)

@@ -176,6 +176,7 @@ def _rounds(
             outbox=outbox.name,
             inbox=inbox.name,
             round=trainer.round,
+            device=str(trainer.device),
             **({} if opening is None else opening.ready_fields),
         )
         if opening is not None and trainer.round < config.run.rounds:
@@ -207,6 +208,7 @@ def _rounds(
                 val_loss=val_loss,
                 compute_s=compute_s,
                 step=trainer.step,
+                tokens=trainer.tokens_per_round(),
                 memory=trainer.memory(),
                 expert_load=trainer.expert_load,
             )

@@ -162,7 +162,14 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
     snapshots = Snapshots(params, Snapshots.capacity_for(params))
     trainer.model.eval()
     ipc.write_blocking(
-        replies, "ready", payload_nbytes=0, outbox="", inbox="", round=0, zo_snapshots=snapshots.capacity
+        replies,
+        "ready",
+        payload_nbytes=0,
+        outbox="",
+        inbox="",
+        round=0,
+        zo_snapshots=snapshots.capacity,
+        device=str(trainer.device),
     )
     round_parts: list[tuple[int, int]] = []
     while True:

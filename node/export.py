@@ -1,0 +1,70 @@
+"""``swarmtrain export`` and ``swarmtrain sample``: a run's trained model out of a data dir.
+
+Both read the node's checkpoint of a run (``<data dir>/runs/<run id>.ckpt``, written
+atomically after every outer step, so they work beside a running daemon) and leave the
+maths to training/export.py. Without ``--run`` they take the run whose checkpoint was
+written last and say which.
+"""
+
+import sys
+from pathlib import Path
+
+from node.datadir import DataDir
+from node.errors import DataDirError, NodeError
+
+
+class ExportFailed(NodeError):
+    """The model could not be read or written (with the reason)."""
+
+
+def find_checkpoint(data_dir: Path, run_id: str | None) -> tuple[str, Path]:
+    """The run and its checkpoint: ``run_id``'s, or the newest in the data dir."""
+    runs = DataDir(data_dir)
+    if run_id is not None:
+        path = runs.checkpoint_file(run_id)
+        if not path.is_file():
+            raise DataDirError(f"no training checkpoint of run {run_id} in {data_dir} (looked for {path})")
+        return run_id, path
+    found = sorted((data_dir / "runs").glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if data_dir.is_dir() else []
+    if not found:
+        raise DataDirError(f"no training checkpoint in {data_dir}: has this node trained? (--data-dir: another)")
+    newest = found[-1]
+    if len(found) > 1:
+        print(f"run {newest.stem}: the newest of {len(found)} runs here (--run ID for another)", file=sys.stderr)
+    return newest.stem, newest
+
+
+def export_command(data_dir: Path, run_id: str | None, out_dir: Path) -> int:
+    from training.export import ExportError, export, load_trained
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportFailed(f"--out {out_dir} is a file, not a folder")
+    run, path = find_checkpoint(data_dir, run_id)
+    try:
+        trained = load_trained(path)
+        written = export(trained, out_dir)
+    except ExportError as exc:
+        raise ExportFailed(str(exc)) from exc
+    except OSError as exc:
+        raise ExportFailed(f"cannot write into {out_dir}: {exc.strerror or exc}") from exc
+    print(
+        f"wrote run {run}'s model ({trained.model_name}, after {trained.round} rounds) to {out_dir}: "
+        + ", ".join(p.name for p in written)
+    )
+    print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
+    return 0
+
+
+def sample_command(
+    data_dir: Path, run_id: str | None, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> int:
+    from training.export import ExportError, load_trained, sample
+
+    _, path = find_checkpoint(data_dir, run_id)
+    try:
+        trained = load_trained(path)
+    except ExportError as exc:
+        raise ExportFailed(str(exc)) from exc
+    text = sample(trained.model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    print(prompt + text)
+    return 0

@@ -1,0 +1,221 @@
+"""A node's trained model out of its checkpoint: GPT-2 layout for ``transformers``, and samples.
+
+Our dense presets (``micro``, ``tiny``, ``gpt-125m``) are GPT-2's architecture: learned
+position embeddings, pre-norm blocks (LayerNorm ε 1e-5), one fused q/k/v projection split
+in that order, a 4× MLP, a final LayerNorm and an output head tied to the token
+embedding. Two differences are written into the config rather than the weights: our MLP
+uses the exact GELU (``activation_function: "gelu"``; GPT-2's default is the tanh
+approximation) and our vocabulary is bytes. GPT-2 stores its linear layers as ``Conv1D``
+(``x @ W + b``, W of shape (in, out)): our ``nn.Linear`` weights are written transposed.
+
+What ``export`` writes into a folder (``AutoModelForCausalLM.from_pretrained(folder)`` and
+``AutoTokenizer.from_pretrained(folder)`` load it; transformers is not needed to write it):
+
+    model.safetensors        GPT-2's tensor names (lm_head is tied: not stored)
+    config.json              GPT2LMHeadModel, our shape
+    generation_config.json   no end-of-text token (bytes have none): generation runs to max_length
+    tokenizer.json           a byte-level BPE with no merges: token id = the byte's value
+    tokenizer_config.json    PreTrainedTokenizerFast, model_max_length = our context
+
+The weights are the node's φ after its last outer step (θ = φ then), from a checkpoint of
+a φ/Δ algorithm (noloco, diloco, local). Mixture-of-experts models have no GPT-2 layout
+and ZO keeps its weights elsewhere: both are refused with a clear error (``ExportError``).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from training import checkpoint, data
+from training.models import GPT, GPTConfig, preset
+
+# Checkpoints whose ``phi.k`` are every parameter of the model, in ``model.parameters()`` order.
+PHI_ALGORITHMS = ("noloco", "diloco", "local")
+
+
+class ExportError(Exception):
+    """The checkpoint holds no model we can write out (with the reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trained:
+    model: GPT
+    model_name: str
+    round: int
+    """Outer rounds done when the checkpoint was saved."""
+
+
+def load_trained(path: Path) -> Trained:
+    """The model in a node's checkpoint (training/checkpoint.py), weights = φ."""
+    try:
+        tensors, meta = checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:
+        raise ExportError(f"cannot read {path}: {exc}") from exc
+    fingerprint = meta.get("fingerprint")
+    if not isinstance(fingerprint, dict) or not isinstance(fingerprint.get("model"), str):
+        raise ExportError(f"{path} does not say which model it holds (not a training checkpoint of ours)")
+    algorithm, name = fingerprint.get("algorithm"), fingerprint["model"]
+    if algorithm not in PHI_ALGORITHMS:
+        raise ExportError(f"exporting a {algorithm} run is not supported yet (only {', '.join(PHI_ALGORITHMS)})")
+    overrides = fingerprint.get("model_overrides") or {}
+    try:
+        base = preset(name)
+        config = GPTConfig(**{**{k: getattr(base, k) for k in base.__slots__}, **overrides})
+    except (ValueError, TypeError) as exc:
+        raise ExportError(f"{path}: model {name!r} with {overrides}: {exc}") from exc
+    if config.num_experts:
+        raise ExportError(f"model {name!r} is a mixture of experts: transformers has no GPT-2 layout for it")
+    model = GPT(config)
+    params = list(model.parameters())
+    with torch.no_grad():
+        for k, param in enumerate(params):
+            saved = tensors.get(f"phi.{k}")
+            if saved is None or saved.shape != param.shape:
+                raise ExportError(f"{path}: phi.{k} does not fit model {name!r}")
+            param.copy_(saved)
+    model.eval()
+    round_index = meta.get("round")
+    return Trained(model, name, round_index if isinstance(round_index, int) else 0)
+
+
+def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under GPT-2's names (``Conv1D`` weights transposed)."""
+    ours = {name: p.detach() for name, p in model.named_parameters()}
+    out = {
+        "transformer.wte.weight": ours["token_embed.weight"],
+        "transformer.wpe.weight": ours["pos_embed.weight"],
+        "transformer.ln_f.weight": ours["norm.weight"],
+        "transformer.ln_f.bias": ours["norm.bias"],
+    }
+    linear = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+    norms = {"norm1": "ln_1", "norm2": "ln_2"}
+    for i in range(model.config.num_layers):
+        for ours_name, theirs in linear.items():
+            out[f"transformer.h.{i}.{theirs}.weight"] = ours[f"blocks.{i}.{ours_name}.weight"].t()
+            out[f"transformer.h.{i}.{theirs}.bias"] = ours[f"blocks.{i}.{ours_name}.bias"]
+        for ours_name, theirs in norms.items():
+            for kind in ("weight", "bias"):
+                out[f"transformer.h.{i}.{theirs}.{kind}"] = ours[f"blocks.{i}.{ours_name}.{kind}"]
+    return {name: t.to(torch.float32).contiguous().clone() for name, t in out.items()}
+
+
+def gpt2_config(config: GPTConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.context_len,
+        "n_embd": config.embed_dim,
+        "n_layer": config.num_layers,
+        "n_head": config.num_heads,
+        "n_inner": 4 * config.embed_dim,
+        "activation_function": "gelu",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte a printable character (the ByteLevel
+    pre-tokenizer of ``tokenizers`` maps bytes through the same table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))
+
+
+def byte_tokenizer() -> dict[str, Any]:
+    """tokenizers' JSON for our byte vocabulary: id = byte value, exact on any text."""
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    alphabet = _bytes_to_unicode()
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": level,
+        "post_processor": None,
+        "decoder": level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {alphabet[b]: b for b in range(256)},
+            "merges": [],
+        },
+    }
+
+
+def export(trained: Trained, out_dir: Path) -> list[Path]:
+    """Write ``trained`` into ``out_dir`` (created) for transformers; the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = trained.model.config
+    written = []
+    weights = out_dir / "model.safetensors"
+    save_file(gpt2_tensors(trained.model), str(weights), metadata={"format": "pt"})
+    written.append(weights)
+    files: dict[str, dict[str, Any]] = {
+        "config.json": gpt2_config(config),
+        "generation_config.json": {"bos_token_id": None, "eos_token_id": None, "max_length": config.context_len},
+        "tokenizer.json": byte_tokenizer(),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": config.context_len,
+            "clean_up_tokenization_spaces": False,
+        },
+    }
+    for name, content in files.items():
+        path = out_dir / name
+        path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+    """A continuation of ``prompt`` (its UTF-8 bytes in, text out; the same for the same seed).
+    ``temperature`` 0 takes the most likely byte each time."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    generator = torch.Generator().manual_seed(seed)
+    tokens = data.encode(prompt.encode() or b"\n")  # nothing to continue: a new line
+    context = model.config.context_len
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(tokens[-context:].unsqueeze(0))[0, -1, : data.VOCAB_SIZE]  # bytes (gpt-125m pads its vocab)
+        if temperature == 0:
+            token = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                cutoff = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, -torch.inf)
+            token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+        new.append(token)
+        tokens = torch.cat([tokens, torch.tensor([token])])
+    return data.decode(torch.tensor(new, dtype=torch.long))
