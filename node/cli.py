@@ -13,7 +13,15 @@ import trio
 
 from node import config as config_module
 from node.errors import ConfigError
-from node.launch import add_node_flags, add_set_flag, assignments, node_config, run_daemon, with_exit_codes
+from node.launch import (
+    add_node_flags,
+    add_set_flag,
+    assignments,
+    node_config,
+    resume_last_run,
+    run_daemon,
+    with_exit_codes,
+)
 from node.simulate import SimulationOptions, simulate
 from training import settings
 
@@ -106,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     match args.command:
         case "node":
-            return run_daemon(node_config(args), join_addr=None, watch_stdin=args.stop_on_stdin_eof)
+            config = resume_last_run(node_config(args))
+            return run_daemon(config, join_addr=None, watch_stdin=args.stop_on_stdin_eof)
         case "join":
             return run_daemon(node_config(args, bootstrap=[args.multiaddr]), join_addr=args.multiaddr)
         case "status":

@@ -67,6 +67,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--device", choices=config_module.DEVICES)
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
+    parser.add_argument("--metrics-host", metavar="IP", help="where the metrics server listens (default 127.0.0.1)")
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
     parser.add_argument("--upload-limit-mbps", type=float, metavar="MBIT", help="cap tensor uploads (0: none)")
     parser.add_argument("--upnp", action="store_true", default=None, help="ask the router to forward our port")
@@ -112,6 +113,7 @@ _FLAG_TO_FIELD = {
     "device": "device",
     "log_level": "log_level",
     "metrics_port": "metrics_port",
+    "metrics_host": "metrics_host",
     "heartbeat_s": "state.heartbeat_interval_s",
     "peer_ttl_s": "state.peer_ttl_s",
     "algorithm": "run.settings.algorithm",
@@ -169,6 +171,25 @@ def node_config(args: argparse.Namespace, *, bootstrap: list[str] | None = None)
             raise ConfigError(f"--data-shard: expected I/N like 0/4, got {args.data_shard!r}")
         overrides["training.shard_index"], overrides["training.num_shards"] = int(index), int(count)
     return config_module.load(args.config, overrides)
+
+
+def resume_last_run(config: config_module.NodeConfig) -> config_module.NodeConfig:
+    """A trainer started with no run (neither --new-run nor --run) goes back to the run it
+    was in last: the newest saved run state in its data dir. Said on the console."""
+    if config.run.new_run is not None or config.run.run_id is not None or config.role != "trainer":
+        return config
+    runs = config.data_dir / "runs"
+    saved = sorted(
+        (p for p in runs.glob("*.crdt") if config_module.RUN_ID_PATTERN.fullmatch(p.stem)),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not saved:
+        return config
+    run_id = saved[-1].stem
+    others = f" (the newest of {len(saved)}; --run ID for another)" if len(saved) > 1 else ""
+    print(f"resuming run {run_id}, the one this node was in last{others}", file=sys.stderr)
+    config.run.run_id = run_id
+    return config
 
 
 def run_daemon(config: config_module.NodeConfig, *, join_addr: str | None, watch_stdin: bool = False) -> int:

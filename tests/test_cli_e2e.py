@@ -269,7 +269,9 @@ async def test_node_status_join_stop_and_restart(short_tmp: Path, env: dict[str,
     assert await node.finish() == 0, node.output
     assert "Traceback" not in node.output
 
-    again = await Proc.start(["node", "--data-dir", str(node_dir), *flags, "--run", status["run_id"]], env)
+    # Started again with no run named, it goes back to the one it was in.
+    again = await Proc.start(["node", "--data-dir", str(node_dir), *flags], env)
+    await again.expect(f"resuming run {status['run_id']}, the one this node was in last")
     line = await again.expect("peer id ")
     assert peer_id in line
     await again.expect("loaded saved state of run")

@@ -138,3 +138,23 @@ def test_the_daemon_never_imports_torch() -> None:
     code = "import sys, node.cli, node.daemon, node.simulate; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--report", "/nonexistent-dir/report.json"], "folder /nonexistent-dir does not exist"),
+        (["--plot", "/tmp"], "is a folder"),
+        (["--port", "70000"], None),
+    ],
+)
+def test_bad_output_paths_and_ports_fail_in_one_line_before_any_work(
+    args: list[str], message: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from node.cli import main
+
+    command = ["simulate", *args] if args[0] != "--port" else ["node", *args, "--data-dir", "/nonexistent-dir/d"]
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("swarmtrain: config error:")
+    assert message is None or message in err

@@ -42,7 +42,7 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
     for i in range(3):
         (texts / f"chapter{i}.txt").write_text(f"Chapter {i}. The swarm trains on what its users bring. " * 120)
     first_dir = short_tmp / "first"
-    run_flags = ["--model", "micro", "--rounds", str(ROUNDS), "--inner-steps", str(STEPS)]
+    run_flags = ["--model", "micro", "--rounds", str(ROUNDS), "--inner-steps", str(STEPS), "--metrics-port", "0"]
     procs: list[Proc] = []
     try:
         first = await Proc.start(
@@ -75,6 +75,14 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
             friend_training = (await status_of(short_tmp / f"friend{i}"))["training"]
             assert friend_training["finished"], friend_training
             assert friend_training["rounds_with_partner"] >= 1, friends[i].output  # they trained together
+        port = int(status["metrics_url"].split(":")[2].split("/")[0])
+        scrape = await trio.open_tcp_stream("127.0.0.1", port)
+        async with scrape:
+            await scrape.send_all(b"GET /metrics HTTP/1.1\r\n\r\n")
+            metrics = b""
+            while chunk := await scrape.receive_some(65536):
+                metrics += chunk
+        assert f"swarmtrain_rounds_total {ROUNDS}.0".encode() in metrics and b"swarmtrain_peers " in metrics
         human = await trio.run_process([*SWARMTRAIN, "status", "--data-dir", str(first_dir)], capture_stdout=True)
         assert f"round {ROUNDS} of {ROUNDS}".encode() in human.stdout
 

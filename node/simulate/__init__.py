@@ -38,6 +38,7 @@ first answered (its start-up done), so ``state_converged_s - ready_s`` is networ
 """
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -467,7 +468,21 @@ async def _run_until_terminated(options: SimulationOptions, base: Path) -> dict[
     return report
 
 
+def check_output_path(flag: str, path: Path) -> None:
+    """Where a result will be written: checked before a run of minutes, not after it."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable")
+
+
 def simulate(options: SimulationOptions) -> int:
+    for flag, path in (("--report", options.report_path), ("--plot", options.plot_path)):
+        if path is not None:
+            check_output_path(flag, path)
     base = Path(tempfile.mkdtemp(prefix="swarmtrain-sim-", dir="/tmp"))  # short: unix socket paths
     try:
         report = trio.run(_run_until_terminated, options, base)

@@ -115,6 +115,30 @@ def parse_dial_addr(addr: str) -> PeerAddrs:
     return PeerAddrs(info.peer_id.to_base58(), tuple(str(a) for a in info.addrs))
 
 
+# Names in dial addresses (`/dns/...`, `/dns4/...`, `/dns6/...`): the address families each asks for.
+DNS_FAMILIES = {"dns": socket.AF_UNSPEC, "dns4": socket.AF_INET, "dns6": socket.AF_INET6}
+
+
+async def resolve_addr(addr: str) -> list[str]:
+    """``addr`` with a DNS name as the /ip4 and /ip6 addresses the name has now (py-libp2p's
+    TCP transport dials IP addresses only); any other address as it is. [] if the name does
+    not resolve."""
+    parts = addr.split("/")
+    if len(parts) < 3 or parts[1] not in DNS_FAMILIES:
+        return [addr]
+    try:
+        found = await trio.socket.getaddrinfo(parts[2], None, family=DNS_FAMILIES[parts[1]], type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        logger.info("cannot resolve %s: %s", parts[2], exc)
+        return []
+    resolved: list[str] = []
+    for family, *_, sockaddr in found:
+        ip = "/".join(["", "ip4" if family == socket.AF_INET else "ip6", str(sockaddr[0]), *parts[3:]])
+        if ip not in resolved:
+            resolved.append(ip)
+    return resolved
+
+
 def check_listen_addr(addr: str) -> tuple[str, int]:
     """Validate a ``/ip4/<ip>/tcp/<port>`` listen address; returns (ip, port)."""
     try:
@@ -379,8 +403,13 @@ class Host:
         """
         if peer.peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
+        resolved: list[str] = []
+        with trio.move_on_after(timeout_s):
+            for addr in peer.addrs:
+                if not is_circuit(addr):
+                    resolved.extend(await resolve_addr(addr))
         try:
-            addrs = [multiaddr.Multiaddr(a) for a in peer.addrs if not is_circuit(a)]
+            addrs = [multiaddr.Multiaddr(a) for a in resolved]
         except _ADDR_ERRORS as exc:
             raise DialError(f"bad address for {peer.peer_id}: {exc}") from exc
         info = PeerInfo(parse_peer_id(peer.peer_id), addrs)
@@ -388,6 +417,8 @@ class Host:
         deadline = trio.current_time() + timeout_s
         direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
         error = f"dial {peer.peer_id} timed out after {direct_s:g} s"
+        if not addrs and any(not is_circuit(a) for a in peer.addrs):
+            error = f"no address of {peer.peer_id} resolves: {', '.join(peer.addrs)}"
         network = self._host.get_network()
         connected = bool(network.connections.get(info.peer_id))
         # libp2p blocks a peer whose addresses all failed for a minute; our callers retry on
