@@ -8,7 +8,9 @@ Protocol flow, one exchange per connection (same framing as protocol/wire.py):
                                            or {t: "error", v: 1, reason}
 
 The socket is created mode 0600 inside the 0700 data dir: file permissions are the
-authentication, so no token is needed. Commands: ``status`` and ``stop``.
+authentication, so no token is needed. Commands: ``status``, ``stop`` and ``gather``
+(fetch every live trainer's saved state for ``swarmtrain export --average``: gigabytes
+for large models, so it has a deadline of its own).
 """
 
 import contextlib
@@ -36,7 +38,9 @@ MAX_FRAME_NBYTES = 4 << 20
 REQUEST_TIMEOUT_S = 10.0
 # sun_path holds 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_NBYTES = 107
-COMMANDS = frozenset({"status", "stop"})
+COMMANDS = frozenset({"status", "stop", "gather"})
+# Commands that take longer than a request's deadline, with their own.
+SLOW_COMMANDS_S = {"gather": 900.0}
 # Connections the kernel queues before we accept them. With 16, a burst of 200 clients
 # (scripts polling status, dashboards) saw 167 refused: the queue is what bounds a burst,
 # every accepted client is served in its own task with its own deadline.
@@ -93,10 +97,14 @@ async def serve(
                 request = await wire.receive(
                     byte_stream, msg_types=COMMANDS, version=VERSION, max_nbytes=MAX_FRAME_NBYTES
                 )
-                result = await handlers[request["t"]]()
+            handler = handlers.get(request["t"])
+            if handler is None:
+                raise ProtocolError(f"{request['t']!r} is not served here")
+            with trio.fail_after(SLOW_COMMANDS_S.get(request["t"], REQUEST_TIMEOUT_S)):
+                result = await handler()
                 await wire.send(byte_stream, "ok", VERSION, {"result": result})
-        except ProtocolError as exc:
-            logger.info("control API: bad request: %s", exc)
+        except (ProtocolError, ApiError) as exc:
+            logger.info("control API: refused: %s", exc)
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await wire.send(byte_stream, "error", VERSION, {"reason": str(exc)})
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:

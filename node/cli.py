@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true", help="print the raw status as JSON")
     export = sub.add_parser("export", help="write a run's trained model for transformers (safetensors)")
     export.add_argument("--out", type=Path, required=True, help="folder to write the model into")
+    export.add_argument(
+        "--average",
+        action="store_true",
+        help="write the mean of the run's live trainers' weights (fetched by the running node), not only ours",
+    )
     sample = sub.add_parser("sample", help="print a continuation of a prompt by a run's trained model")
     sample.add_argument("--prompt", default="", help="text to continue (default: a new line)")
     sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
@@ -125,7 +130,7 @@ def _command(args: argparse.Namespace) -> int:
         case "export":
             from node.export import export_command
 
-            return export_command(_data_dir(args), args.run, args.out)
+            return export_command(_data_dir(args), args.run, args.out, average=args.average)
         case "sample":
             from node.export import sample_command
 

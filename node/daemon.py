@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node import api, identity
+from node.algorithms.rounds import PayloadRounds
 from node.config import NodeConfig
 from node.datadir import DataDir
 from node.device import detect_device, total_memory_nbytes
-from node.errors import ConfigError, NodeError
+from node.errors import ApiError, ConfigError, NodeError
 from node.logs import short_peer
 from node.metrics import NodeMetrics, serve_metrics
 from node.training import TrainingService
@@ -58,6 +59,8 @@ class Daemon:
         self.identity_warning: str | None = None
         self.metrics_url: str | None = None
         self.data_sha256 = ""
+        self.data_path: str | None = None
+        """This node's --data, made absolute in ``prepare``."""
         """Of this node's --data ("" for the embedded corpus), hashed in ``prepare``."""
         """Set when the key file changed since the last start (said loudly, shown in status)."""
         self.host: Host | None = None
@@ -84,8 +87,10 @@ class Daemon:
         path = self.config.training.data
         if path is None:
             return ""
+        # Absolute from where the command ran: the worker and `export` read it from elsewhere.
+        self.data_path = str(Path(path).expanduser().resolve())
         try:
-            return corpus.corpus_sha256(Path(path).expanduser())
+            return corpus.corpus_sha256(Path(self.data_path))
         except corpus.CorpusError as exc:
             raise ConfigError(f"training.data (--data): {exc}") from exc
 
@@ -165,7 +170,7 @@ class Daemon:
                         self.config.training,
                         state,
                         own_settings=self.run_settings,
-                        data_path=self.config.training.data,
+                        data_path=self.data_path,
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
@@ -186,7 +191,8 @@ class Daemon:
             )
             await nursery.start(self.discovery.run)
             nursery.start_soon(self._say_network, host)
-            await nursery.start(api.serve, self.config.data_dir, {"status": self._api_status, "stop": self._api_stop})
+            handlers = {"status": self._api_status, "stop": self._api_stop, "gather": self._api_gather}
+            await nursery.start(api.serve, self.config.data_dir, handlers)
             if self.config.metrics_port is not None:
                 port = await nursery.start(
                     serve_metrics, self.config.metrics_host, self.config.metrics_port, self._metrics
@@ -328,6 +334,15 @@ class Daemon:
 
     async def _api_status(self) -> dict[str, Any]:
         return self.status()
+
+    async def _api_gather(self) -> dict[str, Any]:
+        """The saved states of the run's live trainers, fetched for ``export --average``."""
+        algorithm = self.training.algorithm if self.training else None
+        if not isinstance(algorithm, PayloadRounds):
+            raise ApiError("this node trains no noloco, diloco or local run: there are no peers' weights to average")
+        directory = self.data_dir.path / "exports" / "peers"
+        gathered = await algorithm.states.gather(algorithm.ctx.partners(), directory)
+        return {"states": [{"peer": peer, "path": str(path), "round": r} for peer, path, r in gathered]}
 
     def status(self) -> dict[str, Any]:
         host = self.host

@@ -34,14 +34,44 @@ def find_checkpoint(data_dir: Path, run_id: str | None) -> tuple[str, Path]:
     return newest.stem, newest
 
 
-def export_command(data_dir: Path, run_id: str | None, out_dir: Path) -> int:
-    from training.export import ExportError, export, load_trained
+def _gathered(data_dir: Path) -> list[tuple[str, Path]]:
+    """The run's live trainers' saved states, fetched by the running daemon (hashed as they
+    arrive, as a joiner's are)."""
+    import trio
+
+    from node.api import SLOW_COMMANDS_S, call
+
+    answer = trio.run(lambda: call(data_dir, "gather", timeout_s=SLOW_COMMANDS_S["gather"] + 10))
+    states = answer.get("states")
+    if not isinstance(states, list):
+        raise ExportFailed("the daemon's answer names no states")
+    return [(str(s["peer"]), Path(str(s["path"]))) for s in states if isinstance(s, dict)]
+
+
+def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average: bool = False) -> int:
+    from training.export import ExportError, export, load_trained, val_loss
+    from training.export import average as mean_of
 
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportFailed(f"--out {out_dir} is a file, not a folder")
     run, path = find_checkpoint(data_dir, run_id)
     try:
         trained = load_trained(path)
+        if average:
+            replicas = [("this node", trained)]
+            for peer, state in _gathered(data_dir):
+                try:
+                    replicas.append((peer, load_trained(state)))
+                except ExportError as exc:
+                    print(f"{peer}: left out ({exc})", file=sys.stderr)
+            trained, members = mean_of(replicas)
+            for member in members:
+                verdict = "" if member.used else "  (left out)"
+                print(f"{member.name:54} round {member.round:5}  val loss {member.val_loss:.4f}{verdict}")
+            print(
+                f"{'the mean of ' + str(sum(m.used for m in members)):54} {'':11}  val loss "
+                f"{val_loss(trained.model, trained.data_path):.4f}"
+            )
         written = export(trained, out_dir)
     except ExportError as exc:
         raise ExportFailed(str(exc)) from exc

@@ -96,3 +96,45 @@ def test_what_cannot_be_exported_says_why_in_one_line(
     assert main(["export", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), *args]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.integration
+async def test_export_average_writes_the_mean_of_the_live_trainers_weights(short_tmp: Path) -> None:
+    """`export --average` asks the running node to fetch its peers' states (hashed as they
+    arrive) and writes the mean of theirs and ours, each replica's loss beside it."""
+    import subprocess
+    import sys
+
+    import trio
+    from safetensors.torch import load_file
+
+    from tests.adversarial.harness import finished, start_trainers, until
+    from tests.conftest import open_swarm
+    from training import checkpoint
+
+    training = {
+        "run__settings__algorithm": "noloco",
+        "run__settings__model": "micro",
+        "run__settings__rounds": 3,
+        "run__settings__inner__steps_per_round": 5,
+        "training__pair_timeout_s": 20.0,
+    }
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 3, training, run_name="avg")
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=240)
+        ours = nodes[0]
+        out = short_tmp / "swarm-model"
+        args = ["export", "--average", "--data-dir", str(ours.data_dir.path), "--out", str(out)]
+        done = await trio.run_process(
+            [sys.executable, "-m", "node", *args], capture_stdout=True, stderr=subprocess.STDOUT
+        )
+        text = done.stdout.decode()
+        assert "the mean of 3" in text and text.count("val loss") == 4, text
+        run_id = ours.run_service.state.run_id if ours.run_service else ""
+        states = [ours.data_dir.checkpoint_file(run_id)]
+        states += sorted((ours.data_dir.path / "exports" / "peers").glob("*.ckpt"))
+        assert len(states) == 3 and {p.stem for p in states[1:]} == {n.peer_id for n in nodes[1:]}
+        embeddings = [checkpoint.load(p)[0]["phi.0"] for p in states]  # φ.0: the token embedding
+        exported = load_file(str(out / "model.safetensors"))["transformer.wte.weight"]
+        # The float32 mean of 3 values of size < 1 in the same order: at most a few ulp (1e-7) apart.
+        assert torch.allclose(exported, torch.stack(embeddings).mean(dim=0), rtol=0, atol=1e-6)

@@ -84,3 +84,17 @@ def test_our_packages_have_no_import_loops() -> None:
     graph = import_graph()
     assert "node.simulate" in graph["node.cli"] and "protocol.net.nat" in graph["protocol.net.host"]
     assert cycles(graph) == []
+
+
+def test_every_path_the_readme_and_docs_name_exists() -> None:
+    """Paths in backquotes that start at the repository root (a top-level folder of ours),
+    in the README and docs/: a renamed file must not leave a reader at a dead end."""
+    import re
+
+    tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    missing = []
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for path in re.findall(r"`([a-zA-Z_][\w.-]*/[\w./-]*)`", doc.read_text()):
+            if path.split("/")[0] in tops and not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing

@@ -76,7 +76,7 @@ async def test_trainers_with_the_runs_files_train_on_them_and_others_do_not(shor
         assert settings.decode(manifest.settings).data_sha256 == corpus.corpus_sha256(texts)
         for node, data in ((creator, texts), (joiner, copy)):
             assert node.training is not None and node.training.algorithm is not None
-            assert node.training.algorithm.ctx.worker_config.data_path == str(data)
+            assert node.training.algorithm.ctx.worker_config.data_path == str(data.resolve())
             assert node.training.metrics.rounds_with_partner >= 1  # they trained together
         assert outsider.training is not None and outsider.training.algorithm is None
         assert outsider.training.refusal is not None and "not the run's data" in outsider.training.refusal

@@ -23,6 +23,7 @@ and ZO keeps its weights elsewhere: both are refused with a clear error (``Expor
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from training import checkpoint, data
+from training import checkpoint, corpus, data
 from training.models import GPT, GPTConfig, preset
 
 # Checkpoints whose ``phi.k`` are every parameter of the model, in ``model.parameters()`` order.
@@ -47,6 +48,9 @@ class Trained:
     model_name: str
     round: int
     """Outer rounds done when the checkpoint was saved."""
+    data_path: str | None = None
+    """The text the node trained on (None: the embedded corpus): its validation split
+    measures the model."""
 
 
 def load_trained(path: Path) -> Trained:
@@ -79,7 +83,67 @@ def load_trained(path: Path) -> Trained:
             param.copy_(saved)
     model.eval()
     round_index = meta.get("round")
-    return Trained(model, name, round_index if isinstance(round_index, int) else 0)
+    data_path = fingerprint.get("data_path")
+    return Trained(
+        model,
+        name,
+        round_index if isinstance(round_index, int) else 0,
+        data_path if isinstance(data_path, str) else None,
+    )
+
+
+# ``average`` leaves out a replica whose validation loss is this far above the median: an
+# honest NoLoCo replica is within a few percent of its peers; a broken or hostile one is not.
+MAX_LOSS_OVER_MEDIAN = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One replica's part in an average."""
+
+    name: str
+    round: int
+    val_loss: float
+    used: bool
+
+
+@torch.no_grad()
+def val_loss(model: GPT, data_path: str | None, *, batch_size: int = 8, max_batches: int = 8) -> float:
+    """The loss on the run's validation split (the last blocks of its text, every node's)."""
+    tokens = data.encode(corpus.read_corpus(None if data_path is None else Path(data_path)))
+    shard = data.make_shard(tokens, context_len=model.config.context_len, node_index=0, num_nodes=1)
+    batches = shard.val_batches(batch_size=batch_size, max_batches=max_batches)
+    model.eval()
+    return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
+
+
+def average(replicas: list[tuple[str, Trained]]) -> tuple[Trained, list[Member]]:
+    """The mean of NoLoCo replicas' weights (the swarm's model) and how each replica fared
+    on the validation split. A replica that is not finite, or whose loss is more than
+    ``MAX_LOSS_OVER_MEDIAN`` times the median, is left out (said in its ``Member``)."""
+    if not replicas:
+        raise ExportError("no replica to average")
+    reference = replicas[0][1]
+    losses = []
+    for name, trained in replicas:
+        if [p.shape for p in trained.model.parameters()] != [p.shape for p in reference.model.parameters()]:
+            raise ExportError(f"{name}'s model is not {reference.model_name}")
+        finite = all(bool(torch.isfinite(p).all()) for p in trained.model.parameters())
+        losses.append(val_loss(trained.model, reference.data_path) if finite else math.inf)
+    median = sorted(losses)[(len(losses) - 1) // 2]
+    members = [
+        Member(name, trained.round, loss, math.isfinite(loss) and loss <= MAX_LOSS_OVER_MEDIAN * median)
+        for (name, trained), loss in zip(replicas, losses, strict=True)
+    ]
+    used = [trained for (_, trained), member in zip(replicas, members, strict=True) if member.used]
+    mean = GPT(reference.model.config)
+    each = [list(t.model.parameters()) for t in used]
+    with torch.no_grad():
+        for k, param in enumerate(mean.parameters()):
+            param.copy_(torch.stack([params[k] for params in each]).mean(dim=0))
+    mean.eval()
+    rounds = max(t.round for t in used)
+    return Trained(mean, reference.model_name, rounds, reference.data_path), members
 
 
 def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:

@@ -92,6 +92,22 @@ class StateOffers:
             with contextlib.suppress(FileNotFoundError):
                 await trio.Path(self._offered.pop(0)).unlink()
 
+    async def gather(self, partners: list[str], directory: Path) -> list[tuple[str, Path, int]]:
+        """Every partner's offered state, each into ``directory`` (``swarmtrain export
+        --average``): (peer, file, round) for those that had one and sent it whole."""
+        await trio.Path(directory).mkdir(parents=True, exist_ok=True)
+        gathered = []
+        for peer_id in partners:
+            dest = directory / f"{peer_id}.ckpt"
+            try:
+                offer = await self.service.fetch(peer_id, dest)
+            except ProtocolError as exc:
+                logger.info("no state from %s: %s", peer_id, exc)
+                continue
+            if offer is not None:
+                gathered.append((peer_id, dest, offer.round))
+        return gathered
+
     async def _heads(self, partners: list[str]) -> dict[str, int]:
         """The round each peer offers (those that answer and offer one)."""
         heads: dict[str, int] = {}
