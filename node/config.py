@@ -189,6 +189,9 @@ class NodeConfig:
     """Holds the identity, the control socket, the lock and saved run state."""
     log_level: str = "info"
     """One of debug, info, warning, error."""
+    log_file: Path | None = None
+    """Also write the log here (appended), at ``log_level`` (``join`` shows only warnings on
+    the console: its story is the console)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics at http://metrics_host:PORT/metrics (0: a free port); None: off."""
     metrics_host: str = "127.0.0.1"

@@ -25,7 +25,7 @@ from node.logs import short_peer
 from node.metrics import NodeMetrics, serve_metrics
 from node.training import TrainingService
 from node.versions import our_versions
-from protocol.errors import BadMessage, ProtocolError
+from protocol.errors import BadMessage, NotSupported, ProtocolError
 from protocol.net.discovery import Discovery
 from protocol.net.host import Host, PeerAddrs, check_listen_addr, open_host, parse_dial_addr, peer_id_from_seed
 from protocol.net.nat import NatPolicy
@@ -226,7 +226,17 @@ class Daemon:
         for peer in bootstrap:
             try:
                 await host.connect(peer, timeout_s=self.config.network.dial_timeout_s)
+            except ProtocolError as exc:
+                addrs = ", ".join(peer.addrs)
+                errors.append(
+                    f"cannot reach {peer.peer_id} at {addrs} ({exc}): is it running, and is that its address and port?"
+                )
+                continue
+            try:
                 info = await ask_info(host, peer.peer_id)
+            except NotSupported:
+                errors.append(f"{peer.peer_id} answers but does not speak swarmtrain: is that the right address?")
+                continue
             except ProtocolError as exc:
                 errors.append(f"{peer.peer_id}: {exc}")
                 continue

@@ -66,6 +66,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--role", choices=config_module.ROLES)
     parser.add_argument("--device", choices=config_module.DEVICES)
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
+    parser.add_argument("--log-file", type=Path, metavar="PATH", help="also write the log to this file (appended)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
     parser.add_argument("--metrics-host", metavar="IP", help="where the metrics server listens (default 127.0.0.1)")
     parser.add_argument("--mdns", action="store_true", default=None, help="also discover peers on the LAN by mDNS")
@@ -112,6 +113,7 @@ _FLAG_TO_FIELD = {
     "role": "role",
     "device": "device",
     "log_level": "log_level",
+    "log_file": "log_file",
     "metrics_port": "metrics_port",
     "metrics_host": "metrics_host",
     "heartbeat_s": "state.heartbeat_interval_s",
@@ -197,7 +199,11 @@ def run_daemon(config: config_module.NodeConfig, *, join_addr: str | None, watch
 
     daemon = Daemon(config, run_from_bootstrap=join_addr is not None)
     peer_id = daemon.prepare()
-    logs.setup(config.log_level if join_addr is None else "warning", peer_id)
+    console = config.log_level if join_addr is None else "warning"
+    try:
+        logs.setup(console, peer_id, log_file=config.log_file, file_level=config.log_level)
+    except OSError as exc:
+        raise ConfigError(f"--log-file {config.log_file}: {exc.strerror or exc}") from exc
     try:
         trio.run(_run_until_signal, daemon, join_addr, watch_stdin)
     except BaseExceptionGroup as group:
@@ -241,9 +247,11 @@ async def _run_until_signal(daemon: "Daemon", join_addr: str | None, watch_stdin
             nursery.start_soon(watch_signals)
             if watch_stdin:
                 nursery.start_soon(_stop_on_stdin_eof, daemon)
-            if join_addr is not None:
-                from node.progress import show_join_progress
+            from node.progress import log_training_progress, show_join_progress
 
+            if join_addr is not None:
                 nursery.start_soon(show_join_progress, daemon, join_addr)
+            else:
+                nursery.start_soon(log_training_progress, daemon)
             await daemon.run()
             nursery.cancel_scope.cancel()

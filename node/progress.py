@@ -1,5 +1,6 @@
 """Human-readable views of a node: ``swarmtrain status`` and the running ``join`` story."""
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -8,6 +9,8 @@ from node.logs import short_peer
 
 if TYPE_CHECKING:
     from node.daemon import Daemon
+
+logger = logging.getLogger("swarmtrain")
 
 POLL_INTERVAL_S = 0.5
 
@@ -70,6 +73,23 @@ def training_lines(training: dict[str, Any]) -> list[str]:
     return [head, exchanges]
 
 
+def _round_of(training: dict[str, Any] | None) -> tuple[object, ...]:
+    """What changes once a round (or when the worker starts or ends): a line is due."""
+    return (training["rounds"], training["device"], training["finished"]) if training else ()
+
+
+async def log_training_progress(daemon: "Daemon") -> None:
+    """``swarmtrain node``: the training line once a round, in the log (a daemon's console)."""
+    await daemon.ready.wait()
+    shown: tuple[object, ...] = ()
+    while True:
+        await trio.sleep(POLL_INTERVAL_S)
+        training = daemon.training.status() if daemon.training else None
+        if training and _round_of(training) != shown:
+            logger.info("training: %s", "; ".join(training_lines(training)))
+            shown = _round_of(training)
+
+
 def _say(text: str) -> None:
     print(text, flush=True)
 
@@ -102,7 +122,7 @@ async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:
         if line != network:
             _say(line)
         training = status.get("training")
-        progress = (training["rounds"], training["device"], training["finished"]) if training else ()
+        progress = _round_of(training)
         if training and progress != trained:  # once per round: no repeated lines when not on a TTY
             _say("training: " + "; ".join(training_lines(training)))
         seen, digest, members, network, trained = now_seen, status["state_digest"], status["members"], line, progress

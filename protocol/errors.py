@@ -3,6 +3,7 @@
     ProtocolError                 anything that went wrong talking to peers
     ├── DialError                 could not reach a peer (all addresses failed or timed out)
     ├── StreamError               a stream broke: closed, reset, or ended early
+    │   └── NotSupported          the peer does not speak the protocol we asked for
     ├── Overdue                   a handler's deadline passed after the peer had sent its
     │                             request: we, or the link, were slow; nobody is penalized
     └── BadMessage                a peer sent something we refuse (malformed, oversized,
@@ -23,6 +24,10 @@ class DialError(ProtocolError):
 
 class StreamError(ProtocolError):
     """A stream was closed, reset or ended before a whole message arrived."""
+
+
+class NotSupported(StreamError):
+    """The peer answered that it does not speak the protocol we opened a stream for."""
 
 
 class Overdue(ProtocolError):

@@ -298,6 +298,7 @@ async def test_join_with_nobody_there_fails_clearly(short_tmp: Path, env: dict[s
     )
     assert await join.finish() == 1
     assert "could not learn the run" in join.output and "Traceback" not in join.output
+    assert "cannot reach" in join.output and "is it running" in join.output  # what to check
 
 
 async def test_zo_nodes_and_a_late_joiner_end_bit_identical(short_tmp: Path, env: dict[str, str]) -> None:

@@ -193,3 +193,25 @@ async def test_garbage_on_the_control_socket_is_refused(short_tmp: Path) -> None
             assert b"result" not in reply  # an error answer, or none: never a result
         status = await api.call(daemon.config.data_dir, "status")
         assert status["run_id"] == run_id_of(daemon)
+
+
+async def test_joining_through_a_peer_that_does_not_speak_swarmtrain_says_so(short_tmp: Path) -> None:
+    """A libp2p peer that answers but serves none of our protocols is named as such: the
+    user gave the address of something else."""
+    from node.errors import NodeError
+    from tests.conftest import node_config
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with open_host(identity_seed=b"\x09" * 32, listen_addrs=listen, announce_addrs=[]) as stranger:
+        config = node_config(short_tmp / "joiner", network__bootstrap=[stranger.addrs()[0]])
+        daemon = Daemon(config, run_from_bootstrap=True)
+        with trio.fail_after(60):
+            try:
+                await daemon.run()
+                raise AssertionError("the join went on")
+            except BaseException as exc:  # the daemon's nursery wraps it in a group
+                leaf = exc
+                while isinstance(leaf, BaseExceptionGroup):
+                    leaf = leaf.exceptions[0]
+        assert isinstance(leaf, NodeError), repr(leaf)
+        assert "does not speak swarmtrain" in str(leaf) and stranger.peer_id in str(leaf)

@@ -43,6 +43,8 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
         (texts / f"chapter{i}.txt").write_text(f"Chapter {i}. The swarm trains on what its users bring. " * 120)
     first_dir = short_tmp / "first"
     run_flags = ["--model", "micro", "--rounds", str(ROUNDS), "--inner-steps", str(STEPS), "--metrics-port", "0"]
+    log_file = short_tmp / "first.log"
+    run_flags += ["--log-file", str(log_file)]
     procs: list[Proc] = []
     try:
         first = await Proc.start(
@@ -83,6 +85,9 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
             while chunk := await scrape.receive_some(65536):
                 metrics += chunk
         assert f"swarmtrain_rounds_total {ROUNDS}.0".encode() in metrics and b"swarmtrain_peers " in metrics
+        # The node's log (console and --log-file) has the training line once a round.
+        logged = log_file.read_text()
+        assert f"training: noloco on cpu: round {ROUNDS} of {ROUNDS}" in logged and "finished" in logged
         human = await trio.run_process([*SWARMTRAIN, "status", "--data-dir", str(first_dir)], capture_stdout=True)
         assert f"round {ROUNDS} of {ROUNDS}".encode() in human.stdout
 

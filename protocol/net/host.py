@@ -51,7 +51,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol.errors import BadMessage, DialError, ProtocolError, StreamError
+from protocol.errors import BadMessage, DialError, NotSupported, ProtocolError, StreamError
 from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ipv4, socket_stream_of
 from protocol.net.dialback import DialbackServer
 from protocol.net.guard import Guard
@@ -90,6 +90,9 @@ STREAM_CLOSE_TIMEOUT_S = 5.0
 # the connection; libp2p's words for "no answer" and "the connection is dead" are the signs.
 STUCK_OPEN_FAILURES = 2
 _STUCK_SIGNS = ("response timed out", "Failed to send SYN")
+# The peer answered "na" to every protocol we offered (multiselect's message; libp2p raises
+# its generic client error for it, the cause of its "failed to open a stream").
+_UNSUPPORTED_SIGN = "not supported: "
 # Reads up to this size are allocated at once; larger ones grow chunk by chunk as bytes
 # arrive, counted in the host's FrameBudget (a stalled sender holds only what it sent).
 SMALL_READ_NBYTES = 64 << 10
@@ -476,6 +479,8 @@ class Host:
                 cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
                 if any(sign in cause for sign in _STUCK_SIGNS):
                     await self._open_failed(peer_id)
+                if _UNSUPPORTED_SIGN in cause:
+                    raise NotSupported(f"{peer_id} does not speak {protocol_id}") from exc
                 raise StreamError(f"open {protocol_id} to {peer_id} failed: {exc}{cause}") from exc
             self._open_failures.pop(peer_id, None)
             return Stream(raw, self.frame_budget)
