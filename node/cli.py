@@ -1,10 +1,11 @@
-"""The ``swarmtrain`` command: node, join, status, stop, simulate, export, sample.
+"""The ``swarmtrain`` command: node, join, status, stop, top, simulate, export, sample.
 
 Errors the user can fix (a bad flag or config value, a busy data dir, no daemon running)
 print one line and exit 2 (usage) or 1 (everything else), never a traceback.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in (export, sample):
         cmd.add_argument("--data-dir", type=Path, help="the node's data dir")
         cmd.add_argument("--run", metavar="ID", help="which run (default: the one trained last)")
+    top = sub.add_parser("top", help="a live table of a node, or of every node of a simulation")
+    top.add_argument(
+        "data_dirs", nargs="*", type=Path, metavar="DATA_DIR", help="nodes' data dirs, or a folder of them"
+    )
+    top.add_argument("--once", action="store_true", help="print the table once and exit")
     sim = sub.add_parser("simulate", help="run a whole network of nodes on this machine")
     sim.add_argument("--nodes", type=int, default=4, help="number of nodes besides the bootstrap (default 4)")
     sim.add_argument("--report", type=Path, help="write the JSON report here")
@@ -127,6 +133,12 @@ def _command(args: argparse.Namespace) -> int:
             return _status(_data_dir(args), as_json=args.json)
         case "stop":
             return _stop(_data_dir(args))
+        case "top":
+            from node.top import top
+
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live table ends
+                trio.run(lambda: top(args.data_dirs or [config_module.default_data_dir()], once=args.once))
+            return 0
         case "export":
             from node.export import export_command
 

@@ -41,7 +41,7 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
@@ -65,7 +65,7 @@ def training_lines(training: dict[str, Any]) -> list[str]:
     if training.get("finished"):
         head += ", finished"
     elif training.get("eta_s") is not None:
-        head += f", about {_duration(training['eta_s'])} left"
+        head += f", about {duration(training['eta_s'])} left"
     exchanges = (
         f"a partner in {training.get('rounds_with_partner', 0)} of {len(training.get('loss_curve') or [])} rounds, "
         f"{_megabytes(training.get('bytes_sent'))} sent, {_megabytes(training.get('bytes_received'))} received"

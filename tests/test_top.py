@@ -1,0 +1,77 @@
+"""``swarmtrain top``: the rows it shows, the data dirs it finds, and a real node's table."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from rich.console import Console
+
+from node.api import SOCKET_NAME
+from node.top import COLUMNS, data_dirs, row, table
+from tests.adversarial.harness import finished, start_trainers, until
+from tests.conftest import open_swarm
+
+TRAINING = {
+    "peer_id": "12D3KooWRQR6dEJXaYFpJcVNJ2gCWNScK5th5Cp4oFTyJnM2bvKx",
+    "run_id": "demo-1a2b3c",
+    "peers_seen": 3,
+    "reachability": "public",
+    "training": {
+        "rounds": 4,
+        "rounds_total": 20,
+        "final_loss": 2.25,
+        "tokens_per_s": 1234.5,
+        "eta_s": 125.0,
+        "rounds_with_partner": 3,
+        "loss_curve": [[0, 3.0]] * 4,
+        "device": "cpu",
+        "bytes_sent": 12_000_000,
+        "bytes_received": 11_000_000,
+        "finished": False,
+    },
+}
+
+
+def test_a_row_says_where_a_node_is_and_a_silent_one_says_so() -> None:
+    cells = dict(zip(COLUMNS, row("n0", TRAINING), strict=True))
+    assert cells["node"] == "JnM2bvKx"  # the tail of the peer id, as in the logs
+    assert (cells["round"], cells["loss"], cells["tokens/s"], cells["left"]) == ("4/20", "2.250", "1,234", "2 min 05 s")
+    assert (cells["partner"], cells["peers"], cells["device"], cells["sent"]) == ("3/4", "3", "cpu", "12.0 MB")
+    assert row("n1", None)[:2] == ["n1", "(not answering)"]
+    idle = dict(zip(COLUMNS, row("n2", {**TRAINING, "training": None, "not_training": "other data"}), strict=True))
+    assert idle["round"] == "not training" and idle["peers"] == "3"
+    console = Console(record=True, width=200)
+    console.print(table([row("n0", TRAINING), row("n1", None)]))
+    text = console.export_text()
+    assert all(column in text for column in COLUMNS) and "(not answering)" in text
+
+
+def test_a_folder_of_nodes_is_expanded_to_their_data_dirs(tmp_path: Path) -> None:
+    for name in ("boot", "n0", "n1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / SOCKET_NAME).touch()
+    (tmp_path / "forkserver.log").touch()
+    assert data_dirs([tmp_path]) == [tmp_path / "boot", tmp_path / "n0", tmp_path / "n1"]
+    assert data_dirs([tmp_path / "n0"]) == [tmp_path / "n0"]
+    assert data_dirs([tmp_path / "missing"]) == [tmp_path / "missing"]  # shown as not answering
+
+
+@pytest.mark.integration
+async def test_top_once_shows_a_running_nodes_training(short_tmp: Path) -> None:
+    training = {
+        "run__settings__algorithm": "noloco",
+        "run__settings__model": "micro",
+        "run__settings__rounds": 2,
+        "run__settings__inner__steps_per_round": 5,
+    }
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 2, training, run_name="top")
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=240)
+        done = await trio.run_process(
+            [sys.executable, "-m", "node", "top", "--once", str(short_tmp)], capture_stdout=True
+        )
+        text = done.stdout.decode()
+        for node in nodes:
+            assert node.peer_id[-8:] in text
+        assert text.count("2/2") >= 2 and "done" in text and "(not answering)" not in text
