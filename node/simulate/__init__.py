@@ -484,6 +484,7 @@ def simulate(options: SimulationOptions) -> int:
         if path is not None:
             check_output_path(flag, path)
     base = Path(tempfile.mkdtemp(prefix="swarmtrain-sim-", dir="/tmp"))  # short: unix socket paths
+    print(f"nodes' data dirs in {base} (another terminal: swarmtrain top {base})", flush=True)
     try:
         report = trio.run(_run_until_terminated, options, base)
     except BaseException as exc:
