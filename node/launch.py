@@ -91,7 +91,9 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--model", choices=settings.MODEL_PRESETS, help="model preset (a new run trains it)")
     parser.add_argument("--compression", choices=settings.COMPRESSIONS, help="outer payload encoding (default none)")
     add_set_flag(parser)
-    parser.add_argument("--data", metavar="PATH", help="train on this text: a file, or a folder of .txt/.md/.jsonl")
+    parser.add_argument(
+        "--data", metavar="PATH", help="train on this text: a file, a folder of .txt/.md/.jsonl, or a saved HF dataset"
+    )
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)

@@ -100,3 +100,19 @@ def test_torch_free_preset_list_matches_the_models() -> None:
     from training.settings import MODEL_PRESETS
 
     assert set(MODEL_PRESETS) == set(PRESETS)
+
+
+def test_a_hugging_face_dataset_saved_to_disk_is_read_by_its_text_column(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="datasets is in the optional extra .[hf]")
+    datasets.Dataset.from_dict({"text": ["first row", "", "second row"], "id": [1, 2, 3]}).save_to_disk(
+        str(tmp_path / "plain")
+    )
+    assert corpus.read_corpus(tmp_path / "plain") == b"first row\n\nsecond row"  # empty rows skipped
+    splits = {"test": ["held out"], "train": ["trained on"]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    assert corpus.read_corpus(tmp_path / "dict") == b"trained on"  # the train split
+    datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "no-text"))
+    with pytest.raises(corpus.CorpusError, match='no "text" column'):
+        corpus.read_corpus(tmp_path / "no-text")

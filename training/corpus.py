@@ -7,6 +7,9 @@
   byte stream from the same files). A ``.jsonl`` file holds one JSON object per line with
   a string ``text`` (other fields are ignored, blank lines skipped): each text is a
   document. Documents and files are joined by a blank line.
+- A Hugging Face ``datasets`` dataset saved to disk (``save_to_disk``: a folder with
+  ``state.json`` or ``dataset_dict.json``) is read by ``datasets`` (the ``hf`` extra): its
+  ``text`` column (a dataset dict: its ``train`` split, else its first), one document a row.
 - ``corpus_sha256``: the SHA-256 of those bytes. A run started with ``--data`` writes it
   into its settings (``data_sha256``), and a node trains in that run only with data that
   hashes the same: peers know they train on the same thing.
@@ -52,6 +55,37 @@ def _jsonl_texts(path: Path) -> bytes:
     return SEPARATOR.join(texts)
 
 
+HF_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in HF_MARKERS)
+
+
+def _hf_texts(path: Path) -> bytes:
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError as exc:
+        raise CorpusError(
+            f"{path} is a Hugging Face dataset saved to disk: reading it needs the hf extra "
+            "(pip install 'swarmtrain[hf]')"
+        ) from exc
+    try:
+        dataset = load_from_disk(str(path))
+    except (OSError, ValueError) as exc:
+        raise CorpusError(f"{path}: not a readable Hugging Face dataset: {exc}") from exc
+    if isinstance(dataset, DatasetDict):
+        if not dataset:
+            raise CorpusError(f"{path}: the dataset has no splits")
+        dataset = dataset["train"] if "train" in dataset else dataset[sorted(dataset)[0]]
+    if "text" not in dataset.column_names:
+        raise CorpusError(f'{path}: the dataset has no "text" column (it has {", ".join(dataset.column_names)})')
+    texts = [t.encode() for t in dataset["text"] if isinstance(t, str) and t]
+    if not texts:
+        raise CorpusError(f"{path}: no texts")
+    return SEPARATOR.join(texts)
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         suffixes = (*TEXT_SUFFIXES, JSONL_SUFFIX)
@@ -68,6 +102,11 @@ def read_corpus(path: Path | None) -> bytes:
     """The embedded corpus, or the text at ``path`` (see above); ``CorpusError`` if unusable."""
     if path is None:
         return embedded_corpus()
+    if _is_hf_dataset(path):
+        total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if total > MAX_CORPUS_NBYTES:
+            raise CorpusError(f"training data under {path} is {total} bytes, more than {MAX_CORPUS_NBYTES}")
+        return _hf_texts(path)
     files = _files(path)
     total = sum(f.stat().st_size for f in files)
     if total > MAX_CORPUS_NBYTES:
