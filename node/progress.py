@@ -70,12 +70,39 @@ def training_lines(training: dict[str, Any]) -> list[str]:
         f"a partner in {training.get('rounds_with_partner', 0)} of {len(training.get('loss_curve') or [])} rounds, "
         f"{_megabytes(training.get('bytes_sent'))} sent, {_megabytes(training.get('bytes_received'))} received"
     )
-    return [head, exchanges]
+    return [head, exchanges, *busy_lines(training)]
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // total if total else width
+    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done // total if total else 100}%"
+
+
+def busy_lines(training: dict[str, Any]) -> list[str]:
+    """What holds the node up before it trains: a peer's state coming in, a log replaying."""
+    lines = []
+    download = training.get("download")
+    if isinstance(download, list | tuple) and len(download) == 2:
+        done, total = download
+        lines.append(f"fetching a peer's state {_bar(done, total)} of {_megabytes(total)}")
+    replay = training.get("replay")
+    if isinstance(replay, list | tuple) and len(replay) == 2:
+        done, total = replay
+        lines.append(f"replaying the log {_bar(done, total)} of {total} rounds")
+    return lines
 
 
 def _round_of(training: dict[str, Any] | None) -> tuple[object, ...]:
-    """What changes once a round (or when the worker starts or ends): a line is due."""
-    return (training["rounds"], training["device"], training["finished"]) if training else ()
+    """What changes once a round (or when the worker starts or ends, or a download or a
+    replay moves by a tenth): a line is due."""
+    if not training:
+        return ()
+    tenths = tuple(
+        (key, 10 * progress[0] // max(progress[1], 1))
+        for key in ("download", "replay")
+        if isinstance(progress := training.get(key), list | tuple) and len(progress) == 2
+    )
+    return (training["rounds"], training["device"], training["finished"], tenths)
 
 
 async def log_training_progress(daemon: "Daemon") -> None:

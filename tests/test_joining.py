@@ -91,6 +91,7 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
             assert await joiner.join([a.peer_id], dest, last_round=4) == dest  # the run's last: no wait
         assert dest.read_bytes() == saved.read_bytes()
         assert offers.service.offer.sha256 == hashlib.sha256(saved.read_bytes()).hexdigest()
+        assert joiner.service.download is None  # the progress of a fetch ends with it
 
 
 # A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ

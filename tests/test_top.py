@@ -18,6 +18,7 @@ TRAINING = {
     "peers_seen": 3,
     "reachability": "public",
     "training": {
+        "algorithm": "noloco",
         "rounds": 4,
         "rounds_total": 20,
         "final_loss": 2.25,
@@ -75,3 +76,16 @@ async def test_top_once_shows_a_running_nodes_training(short_tmp: Path) -> None:
         for node in nodes:
             assert node.peer_id[-8:] in text
         assert text.count("2/2") >= 2 and "done" in text and "(not answering)" not in text
+
+
+def test_a_download_and_a_replay_show_as_bars_and_reprint_each_tenth() -> None:
+    from node.progress import _round_of, training_lines
+
+    fetching = {**TRAINING["training"], "download": [600_000_000, 1_200_000_000]}
+    lines = training_lines(fetching)
+    assert "fetching a peer's state [##########..........] 50% of 1,200.0 MB" in lines
+    replaying = {**TRAINING["training"], "replay": [9, 10]}
+    assert "replaying the log [##################..] 90% of 10 rounds" in training_lines(replaying)
+    a_bit_more = {**fetching, "download": [610_000_000, 1_200_000_000]}
+    a_tenth_more = {**fetching, "download": [720_000_000, 1_200_000_000]}
+    assert _round_of(a_bit_more) == _round_of(fetching) != _round_of(a_tenth_more)

@@ -121,6 +121,7 @@ class PayloadRounds:
             "joined_from": self.states.joined_from,
             "memory": self.ctx.metrics.memory,
             "expert_load": self.ctx.metrics.expert_load,
+            "download": self.states.service.download,
         }
 
     async def train(self) -> None:

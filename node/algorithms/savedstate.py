@@ -88,6 +88,8 @@ class ZoCheckpoints:
         self._run_id = run_id
         self._max_nbytes = max_nbytes
         self._protocol_id = protocol_id
+        self.download: tuple[int, int] | None = None
+        """(bytes received, bytes in all) of the fetch under way, for the progress shown."""
         self.offer: Offer | None = None
         """What we serve: set by the ZO rounds after the worker saved a checkpoint (its
         hashes may be ``LAZY``: computed when a peer first asks, once)."""
@@ -136,8 +138,7 @@ class ZoCheckpoints:
                 await self._receive_file(stream, offer, dest)
         return offer
 
-    @staticmethod
-    async def _receive_file(stream: StreamLike, offer: Offer, dest: Path) -> None:
+    async def _receive_file(self, stream: StreamLike, offer: Offer, dest: Path) -> None:
         """The bytes into ``dest``, hashed as they come; nothing stays there unless they match."""
         digest = hashlib.sha256()
         partial = dest.with_name(dest.name + ".part")
@@ -145,6 +146,7 @@ class ZoCheckpoints:
             async with await trio.open_file(partial, "wb") as out:
                 left = offer.nbytes
                 while left:
+                    self.download = (offer.nbytes - left, offer.nbytes)
                     chunk = await stream.read_exact(min(CHUNK_NBYTES, left))
                     digest.update(chunk)
                     await out.write(chunk)
@@ -153,6 +155,7 @@ class ZoCheckpoints:
                 raise BadMessage("the checkpoint's bytes do not hash as announced")
             await trio.Path(partial).replace(dest)
         finally:
+            self.download = None
             with contextlib.suppress(FileNotFoundError):
                 await trio.Path(partial).unlink()
 

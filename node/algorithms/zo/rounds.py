@@ -110,6 +110,8 @@ class ZoRounds:
         """The keys of the copies it keeps, oldest first: each the number of round groups of
         ``_applied`` the copy holds (training/algorithms/zo.py Snapshots, the same rule)."""
         self.rewinds = 0
+        self.replay: tuple[int, int] | None = None
+        """(round groups sent, groups to send) while the worker replays the log (progress)."""
         self.clipped = 0
         self.silenced = 0
         self.recoveries = 0
@@ -168,6 +170,8 @@ class ZoRounds:
             "pull_failure_examples": self.sync.pull_failure_examples,
             "rebuilds": self.rebuilds,
             "rewinds": self.rewinds,
+            "download": self.checkpoints.download,
+            "replay": self.replay,
             "g_clipped": self.clipped,
             "g_silenced": self.silenced,
             "authors_excluded": sorted(self.log.excluded),
@@ -519,24 +523,30 @@ class ZoRounds:
             self._snapshots = [key for key in self._snapshots if key <= start] if rewind is not None else []
             if start == len(wanted):
                 await worker.send("zo_apply", rebuild=rebuild, rewind=rewind, updates=[])
-        for i, group in enumerate(wanted[start:]):
-            updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), code] for e, code in group if code]
-            # One round is one summed group, however many messages carry it (the worker
-            # applies once the last part came): a round of many members never overflows.
-            parts = [updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)]
-            parts = parts or [[]]  # a round whose updates all count zero is still one group
-            key = start + i + 1
-            keep = self._snapshot_capacity > 0 and key > len(wanted) - self._snapshot_capacity
-            for k, part in enumerate(parts):
-                first, last = i == 0 and k == 0, k == len(parts) - 1
-                await worker.send(
-                    "zo_apply",
-                    rebuild=rebuild and first,
-                    rewind=rewind if first else None,
-                    updates=part,
-                    more=not last,
-                    snapshot=key if last and keep else None,
-                )
-            if keep:
-                self._snapshots = [*self._snapshots, key][-self._snapshot_capacity :]
+        try:
+            for i, group in enumerate(wanted[start:]):
+                self.replay = (i, len(wanted) - start)
+                updates = [[zolog.seed_of(self._run_id, e.peer_id, e.round, e.seq), code] for e, code in group if code]
+                # One round is one summed group, however many messages carry it (the worker
+                # applies once the last part came): a round of many members never overflows.
+                parts = [
+                    updates[k : k + MAX_UPDATES_PER_MESSAGE] for k in range(0, len(updates), MAX_UPDATES_PER_MESSAGE)
+                ]
+                parts = parts or [[]]  # a round whose updates all count zero is still one group
+                key = start + i + 1
+                keep = self._snapshot_capacity > 0 and key > len(wanted) - self._snapshot_capacity
+                for k, part in enumerate(parts):
+                    first, last = i == 0 and k == 0, k == len(parts) - 1
+                    await worker.send(
+                        "zo_apply",
+                        rebuild=rebuild and first,
+                        rewind=rewind if first else None,
+                        updates=part,
+                        more=not last,
+                        snapshot=key if last and keep else None,
+                    )
+                if keep:
+                    self._snapshots = [*self._snapshots, key][-self._snapshot_capacity :]
+        finally:
+            self.replay = None
         self._applied = target
