@@ -108,17 +108,11 @@ async def test_export_average_writes_the_mean_of_the_live_trainers_weights(short
     import trio
     from safetensors.torch import load_file
 
-    from tests.adversarial.harness import finished, start_trainers, until
+    from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
     from tests.conftest import open_swarm
     from training import checkpoint
 
-    training = {
-        "run__settings__algorithm": "noloco",
-        "run__settings__model": "micro",
-        "run__settings__rounds": 3,
-        "run__settings__inner__steps_per_round": 5,
-        "training__pair_timeout_s": 20.0,
-    }
+    training = micro_noloco(3)
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 3, training, run_name="avg")
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=240)

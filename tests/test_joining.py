@@ -9,19 +9,13 @@ import pytest
 from node.algorithms.joining import vouched_round
 from node.algorithms.noloco import Noloco
 from node.daemon import Daemon
-from tests.adversarial.harness import finished, start_trainers, until
+from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
 from tests.conftest import open_swarm
 
 # Long enough that the first two are still training when the late one has joined.
 ROUNDS = 30
 JOIN_AFTER = 3
-TRAINING = {
-    "run__settings__algorithm": "noloco",
-    "run__settings__model": "micro",
-    "run__settings__rounds": ROUNDS,
-    "run__settings__inner__steps_per_round": 5,
-    "training__pair_timeout_s": 20.0,
-}
+TRAINING = micro_noloco(ROUNDS)
 TIMEOUT_S = 240.0
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from node.api import SOCKET_NAME
 from node.top import COLUMNS, data_dirs, row, table
-from tests.adversarial.harness import finished, start_trainers, until
+from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
 from tests.conftest import open_swarm
 
 TRAINING = {
@@ -60,12 +60,7 @@ def test_a_folder_of_nodes_is_expanded_to_their_data_dirs(tmp_path: Path) -> Non
 
 @pytest.mark.integration
 async def test_top_once_shows_a_running_nodes_training(short_tmp: Path) -> None:
-    training = {
-        "run__settings__algorithm": "noloco",
-        "run__settings__model": "micro",
-        "run__settings__rounds": 2,
-        "run__settings__inner__steps_per_round": 5,
-    }
+    training = micro_noloco(2)
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 2, training, run_name="top")
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=240)

@@ -8,19 +8,13 @@ import pytest
 from node.daemon import Daemon
 from node.errors import ConfigError
 from node.training import data_for_run
-from tests.adversarial.harness import finished, until
+from tests.adversarial.harness import finished, micro_noloco, until
 from tests.conftest import node_config, open_swarm
 from training import corpus, settings
 from training.settings import RunSettings
 
 ROUNDS = 3
-TRAINING = {
-    "run__settings__algorithm": "noloco",
-    "run__settings__model": "micro",
-    "run__settings__rounds": ROUNDS,
-    "run__settings__inner__steps_per_round": 5,
-    "training__pair_timeout_s": 20.0,
-}
+TRAINING = micro_noloco(ROUNDS)
 TIMEOUT_S = 240.0
 
 

@@ -27,6 +27,17 @@ async def start_trainers(swarm: Swarm, num_nodes: int, training: dict[str, Any],
     return nodes
 
 
+def micro_noloco(rounds: int, *, steps_per_round: int = 5) -> dict[str, Any]:
+    """Node config overrides for a short NoLoCo run on the micro model (a 20 s pairing bound)."""
+    return {
+        "run__settings__algorithm": "noloco",
+        "run__settings__model": "micro",
+        "run__settings__rounds": rounds,
+        "run__settings__inner__steps_per_round": steps_per_round,
+        "training__pair_timeout_s": 20.0,
+    }
+
+
 def finished(daemon: Daemon) -> bool:
     return daemon.training is not None and daemon.training.metrics.finished
 

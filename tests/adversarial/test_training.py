@@ -14,18 +14,12 @@ import pytest
 
 from bench.attacks import never_send, poison_payloads
 from node.daemon import Daemon
-from tests.adversarial.harness import finished, start_trainers, until
+from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
 from tests.conftest import open_swarm
 
 pytestmark = pytest.mark.integration
 ROUNDS = 6
-TRAINING = {
-    "run__settings__algorithm": "noloco",
-    "run__settings__model": "micro",
-    "run__settings__rounds": ROUNDS,
-    "run__settings__inner__steps_per_round": 5,
-    "training__pair_timeout_s": 20.0,
-}
+TRAINING = micro_noloco(ROUNDS)
 TIMEOUT_S = 240.0
 
 
