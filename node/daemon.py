@@ -57,12 +57,12 @@ class Daemon:
         self.seed = b""
         self.peer_id = ""
         self.identity_warning: str | None = None
+        """Set when the key file changed since the last start (said loudly, shown in status)."""
         self.metrics_url: str | None = None
         self.data_sha256 = ""
+        """Of this node's --data ("" for the embedded corpus), hashed in ``prepare``."""
         self.data_path: str | None = None
         """This node's --data, made absolute in ``prepare``."""
-        """Of this node's --data ("" for the embedded corpus), hashed in ``prepare``."""
-        """Set when the key file changed since the last start (said loudly, shown in status)."""
         self.host: Host | None = None
         self.run_service: RunService | None = None
         self.discovery: Discovery | None = None
