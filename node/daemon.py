@@ -33,7 +33,8 @@ from protocol.net.peers import PeerTable
 from protocol.runstate.info import NodeInfo, ask_info, serve_info
 from protocol.runstate.run import RunService
 from protocol.runstate.state import MAX_ADDRS, Manifest, MemberRecord, RunState, sign_member
-from training import corpus
+from training import corpus, tokenizer
+from training.files import write_atomic
 from training.settings import RunSettings
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class Daemon:
         """Of this node's --data ("" for the embedded corpus), hashed in ``prepare``."""
         self.data_path: str | None = None
         """This node's --data, made absolute in ``prepare``."""
+        self.tokenizer_sha256 = ""
+        """Of the BPE tokenizer a run we create trains with (``prepare``); "" for bytes."""
+        self._new_tokenizer: str | None = None
         self.host: Host | None = None
         self.run_service: RunService | None = None
         self.discovery: Discovery | None = None
@@ -79,7 +83,23 @@ class Daemon:
         self.peer_id = peer_id_from_seed(self.seed)
         self.identity_warning = identity.remember(self.data_dir.path / identity.RECORD_FILE, self.peer_id)
         self.data_sha256 = self._hash_data()
+        self._train_tokenizer()
         return self.peer_id
+
+    def _train_tokenizer(self) -> None:
+        """A run we create with a BPE tokenizer: trained now on our text (before the network
+        starts), its hash in the run's settings; every trainer trains its own alike."""
+        spec = self.config.run.settings.tokenizer
+        if self.config.run.new_run is None or tokenizer.bpe_vocab(spec) is None:
+            return
+        vocab = tokenizer.bpe_vocab(spec)
+        assert vocab is not None
+        try:
+            text = corpus.read_corpus(None if self.data_path is None else Path(self.data_path))
+        except corpus.CorpusError as exc:
+            raise ConfigError(f"training.data (--data): {exc}") from exc
+        self._new_tokenizer = tokenizer.train_bpe(text, vocab)
+        self.tokenizer_sha256 = tokenizer.sha256(self._new_tokenizer)
 
     def _hash_data(self) -> str:
         """The hash of this node's --data (read once, before the network starts: a path that
@@ -97,7 +117,9 @@ class Daemon:
     @property
     def run_settings(self) -> RunSettings:
         """What we would train: the configured settings with our data's hash."""
-        return dataclasses.replace(self.config.run.settings, data_sha256=self.data_sha256)
+        return dataclasses.replace(
+            self.config.run.settings, data_sha256=self.data_sha256, tokenizer_sha256=self.tokenizer_sha256
+        )
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -171,6 +193,7 @@ class Daemon:
                         state,
                         own_settings=self.run_settings,
                         data_path=self.data_path,
+                        tokenizer_file=self.data_dir.tokenizer_file(state.run_id),
                         listen_ip=check_listen_addr(self.config.network.listen[0])[0],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
@@ -279,6 +302,8 @@ class Daemon:
                 ),
                 self.seed,
             )
+            if self._new_tokenizer is not None:  # where the training service looks for it
+                write_atomic(self.data_dir.tokenizer_file(run_id), self._new_tokenizer.encode())
             logger.info("created run %s", run_id)
         return state
 

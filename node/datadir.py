@@ -5,7 +5,8 @@
 ├── lock               held (flock) by the running daemon: one daemon per data dir
 ├── api.sock           control API (node/api.py)
 ├── runs/<run id>.crdt the run's document, rewritten atomically after changes
-└── runs/<run id>.ckpt the worker's training state, saved after every outer step
+├── runs/<run id>.ckpt the worker's training state, saved after every outer step
+└── runs/<run id>.tokenizer.json   the run's BPE tokenizer, when it has one
 """
 
 import fcntl
@@ -56,6 +57,10 @@ class DataDir:
     def checkpoint_file(self, run_id: str) -> Path:
         """The worker's training state in this run (training/checkpoint.py)."""
         return self.path / "runs" / f"{run_id}.ckpt"
+
+    def tokenizer_file(self, run_id: str) -> Path:
+        """The run's BPE tokenizer, trained by this node (training/tokenizer.py)."""
+        return self.path / "runs" / f"{run_id}.tokenizer.json"
 
     def load_run(self, run_id: str) -> bytes | None:
         try:

@@ -8,9 +8,14 @@ written last and say which.
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from node.config import RUN_ID_PATTERN
 from node.datadir import DataDir
 from node.errors import DataDirError, NodeError
+
+if TYPE_CHECKING:
+    from training.tokenizer import Codec
 
 
 class ExportFailed(NodeError):
@@ -25,7 +30,11 @@ def find_checkpoint(data_dir: Path, run_id: str | None) -> tuple[str, Path]:
         if not path.is_file():
             raise DataDirError(f"no training checkpoint of run {run_id} in {data_dir} (looked for {path})")
         return run_id, path
-    found = sorted((data_dir / "runs").glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if data_dir.is_dir() else []
+    # A run's own checkpoint only (not the states it offers peers, <run>.state-N.ckpt).
+    found = sorted(
+        (p for p in (data_dir / "runs").glob("*.ckpt") if RUN_ID_PATTERN.fullmatch(p.stem)),
+        key=lambda p: p.stat().st_mtime,
+    )
     if not found:
         raise DataDirError(f"no training checkpoint in {data_dir}: has this node trained? (--data-dir: another)")
     newest = found[-1]
@@ -48,6 +57,17 @@ def _gathered(data_dir: Path) -> list[tuple[str, Path]]:
     return [(str(s["peer"]), Path(str(s["path"]))) for s in states if isinstance(s, dict)]
 
 
+def _codec(data_dir: Path, run_id: str) -> "Codec":
+    """The run's tokenizer: its trained BPE if this node keeps one, else bytes."""
+    from training.tokenizer import Codec, TokenizerError
+
+    path = DataDir(data_dir).tokenizer_file(run_id)
+    try:
+        return Codec.load(path if path.is_file() else None)
+    except TokenizerError as exc:
+        raise ExportFailed(str(exc)) from exc
+
+
 def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average: bool = False) -> int:
     from training.export import ExportError, export, load_trained, val_loss
     from training.export import average as mean_of
@@ -55,6 +75,7 @@ def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportFailed(f"--out {out_dir} is a file, not a folder")
     run, path = find_checkpoint(data_dir, run_id)
+    codec = _codec(data_dir, run)
     try:
         trained = load_trained(path)
         if average:
@@ -64,15 +85,15 @@ def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average
                     replicas.append((peer, load_trained(state)))
                 except ExportError as exc:
                     print(f"{peer}: left out ({exc})", file=sys.stderr)
-            trained, members = mean_of(replicas)
+            trained, members = mean_of(replicas, codec)
             for member in members:
                 verdict = "" if member.used else "  (left out)"
                 print(f"{member.name:54} round {member.round:5}  val loss {member.val_loss:.4f}{verdict}")
             print(
                 f"{'the mean of ' + str(sum(m.used for m in members)):54} {'':11}  val loss "
-                f"{val_loss(trained.model, trained.data_path):.4f}"
+                f"{val_loss(trained.model, trained.data_path, codec):.4f}"
             )
-        written = export(trained, out_dir)
+        written = export(trained, out_dir, codec)
     except ExportError as exc:
         raise ExportFailed(str(exc)) from exc
     except OSError as exc:
@@ -90,11 +111,20 @@ def sample_command(
 ) -> int:
     from training.export import ExportError, load_trained, sample
 
-    _, path = find_checkpoint(data_dir, run_id)
+    run, path = find_checkpoint(data_dir, run_id)
     try:
         trained = load_trained(path)
     except ExportError as exc:
         raise ExportFailed(str(exc)) from exc
-    text = sample(trained.model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    codec = _codec(data_dir, run)
+    text = sample(
+        trained.model,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        codec=codec,
+    )
     print(prompt + text)
     return 0

@@ -25,7 +25,8 @@ from protocol.net.peers import PeerTable
 from protocol.ratelimit import RateLimit
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, RunState
-from training import settings
+from training import corpus, settings, tokenizer
+from training.files import write_atomic
 from training.settings import RunSettings
 from training.worker_config import WorkerConfig
 
@@ -82,6 +83,29 @@ def data_for_run(run: RunSettings, path: str | None, ours: str) -> tuple[str | N
     return path, None
 
 
+def tokenizer_for_run(run: RunSettings, data_path: str | None, cache: Path) -> tuple[Path | None, str | None]:
+    """The run's tokenizer file (None: bytes), trained here on the run's text once and kept
+    at ``cache``, and why we cannot train with it (ours is not the creator's). Blocking:
+    it reads the text and trains (about a second on the embedded corpus)."""
+    vocab = tokenizer.bpe_vocab(run.tokenizer)
+    if vocab is None:
+        return None, None
+    try:
+        ours = cache.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        ours = ""
+    if not ours or (run.tokenizer_sha256 and tokenizer.sha256(ours) != run.tokenizer_sha256):
+        logger.info("training the run's tokenizer (%s) on its text", run.tokenizer)
+        ours = tokenizer.train_bpe(corpus.read_corpus(None if data_path is None else Path(data_path)), vocab)
+        write_atomic(cache, ours.encode())
+    if run.tokenizer_sha256 and tokenizer.sha256(ours) != run.tokenizer_sha256:
+        return None, (
+            f"the tokenizer this node trained (SHA-256 {tokenizer.sha256(ours)[:16]}…) is not the run's "
+            f"({run.tokenizer_sha256[:16]}…): another release of the tokenizers library? Use the creator's"
+        )
+    return cache, None
+
+
 class TrainingService:
     def __init__(
         self,
@@ -92,6 +116,7 @@ class TrainingService:
         *,
         own_settings: RunSettings | None = None,
         data_path: str | None = None,
+        tokenizer_file: Path | None = None,
         listen_ip: str,
         log_path: str,
         upload_limit_mbps: float = 0.0,
@@ -106,6 +131,8 @@ class TrainingService:
         self._own_settings = own_settings or RunSettings()
         """What we would train (the user's, for a run we create): the run's replace them."""
         self._data_path = data_path
+        self._tokenizer_file = tokenizer_file
+        """Where the run's BPE tokenizer is kept once trained (a run with one needs it)."""
         self.refusal: str | None = None
         """Why this node does not train in the run it is in (its data is not the run's...)."""
         self._state = state
@@ -134,6 +161,15 @@ class TrainingService:
         data_path, self.refusal = (
             (None, None) if run is None else data_for_run(run, self._data_path, self._own_settings.data_sha256)
         )
+        tokenizer_path: Path | None = None
+        cache = self._tokenizer_file
+        if run is not None and cache is None and tokenizer.bpe_vocab(run.tokenizer) is not None:
+            self.refusal = "the run trains with a BPE tokenizer and this node has nowhere to keep one"
+        if run is not None and self.refusal is None and cache is not None:
+            try:
+                tokenizer_path, self.refusal = await trio.to_thread.run_sync(tokenizer_for_run, run, data_path, cache)
+            except (corpus.CorpusError, OSError) as exc:
+                self.refusal = f"cannot make the run's tokenizer: {exc}"
         if self.refusal is not None:
             logger.error("not training in this run: %s; staying on the network", self.refusal)
             run = None
@@ -142,9 +178,12 @@ class TrainingService:
             self.started.set()
             return
         config = self._config
+        vocab = {} if tokenizer_path is None else {"vocab_size": tokenizer.Codec.load(tokenizer_path).vocab_size}
         worker_config = WorkerConfig(
             run=run,
             data_path=data_path,
+            tokenizer_path=None if tokenizer_path is None else str(tokenizer_path),
+            model_overrides=vocab,
             node_index=config.shard_index,
             num_nodes=config.num_shards,
             threads=config.threads,

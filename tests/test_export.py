@@ -132,3 +132,16 @@ async def test_export_average_writes_the_mean_of_the_live_trainers_weights(short
         exported = load_file(str(out / "model.safetensors"))["transformer.wte.weight"]
         # The float32 mean of 3 values of size < 1 in the same order: at most a few ulp (1e-7) apart.
         assert torch.allclose(exported, torch.stack(embeddings).mean(dim=0), rtol=0, atol=1e-6)
+
+
+def test_the_newest_run_is_found_by_its_own_checkpoint_not_the_states_it_offers(tmp_path: Path) -> None:
+    import os
+
+    from node.export import find_checkpoint
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, mtime in (("old-aaaaaa.ckpt", 1), ("new-bbbbbb.ckpt", 2), ("new-bbbbbb.state-3.ckpt", 3)):
+        (runs / name).write_bytes(b"x")
+        os.utime(runs / name, (mtime, mtime))
+    assert find_checkpoint(tmp_path, None) == ("new-bbbbbb", runs / "new-bbbbbb.ckpt")

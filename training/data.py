@@ -1,7 +1,7 @@
 """Text in, batches of token ids out: an embedded corpus, a byte tokenizer, per-node shards.
 
 - The text: the embedded corpus or the user's files (training/corpus.py, torch-free).
-- Tokens are bytes (vocabulary 256): nothing to train, nothing to ship, exact on any text.
+- Tokens are bytes (vocabulary 256), or the run's BPE (training/tokenizer.py).
 - The stream is cut into blocks of ``context_len + 1`` tokens; the last ``val_fraction``
   of blocks is the validation set, shared by all nodes; the rest is dealt round-robin,
   block b to node ``b % num_nodes``, so node shards are disjoint and deterministic.
@@ -12,11 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+from training.tokenizer import Codec
+
 VOCAB_SIZE = 256
 
 
 def encode(text: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.long)
+
+
+def tokens_of(text: bytes, codec: Codec) -> torch.Tensor:
+    """``text`` as the run's token ids: bytes straight from the buffer, or the run's BPE."""
+    if codec.json is None:
+        return encode(text)
+    return torch.tensor(codec.encode(text), dtype=torch.long)
 
 
 def decode(tokens: torch.Tensor) -> str:

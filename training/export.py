@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from training import checkpoint, corpus, data
 from training.models import GPT, GPTConfig, preset
+from training.tokenizer import Codec
 
 # Checkpoints whose ``phi.k`` are every parameter of the model, in ``model.parameters()`` order.
 PHI_ALGORITHMS = ("noloco", "diloco", "local")
@@ -108,16 +109,19 @@ class Member:
 
 
 @torch.no_grad()
-def val_loss(model: GPT, data_path: str | None, *, batch_size: int = 8, max_batches: int = 8) -> float:
+def val_loss(
+    model: GPT, data_path: str | None, codec: Codec | None = None, *, batch_size: int = 8, max_batches: int = 8
+) -> float:
     """The loss on the run's validation split (the last blocks of its text, every node's)."""
-    tokens = data.encode(corpus.read_corpus(None if data_path is None else Path(data_path)))
+    text = corpus.read_corpus(None if data_path is None else Path(data_path))
+    tokens = data.tokens_of(text, codec or Codec())
     shard = data.make_shard(tokens, context_len=model.config.context_len, node_index=0, num_nodes=1)
     batches = shard.val_batches(batch_size=batch_size, max_batches=max_batches)
     model.eval()
     return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
 
 
-def average(replicas: list[tuple[str, Trained]]) -> tuple[Trained, list[Member]]:
+def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> tuple[Trained, list[Member]]:
     """The mean of NoLoCo replicas' weights (the swarm's model) and how each replica fared
     on the validation split. A replica that is not finite, or whose loss is more than
     ``MAX_LOSS_OVER_MEDIAN`` times the median, is left out (said in its ``Member``)."""
@@ -129,7 +133,7 @@ def average(replicas: list[tuple[str, Trained]]) -> tuple[Trained, list[Member]]
         if [p.shape for p in trained.model.parameters()] != [p.shape for p in reference.model.parameters()]:
             raise ExportError(f"{name}'s model is not {reference.model_name}")
         finite = all(bool(torch.isfinite(p).all()) for p in trained.model.parameters())
-        losses.append(val_loss(trained.model, reference.data_path) if finite else math.inf)
+        losses.append(val_loss(trained.model, reference.data_path, codec) if finite else math.inf)
     median = sorted(losses)[(len(losses) - 1) // 2]
     members = [
         Member(name, trained.round, loss, math.isfinite(loss) and loss <= MAX_LOSS_OVER_MEDIAN * median)
@@ -233,8 +237,9 @@ def byte_tokenizer() -> dict[str, Any]:
     }
 
 
-def export(trained: Trained, out_dir: Path) -> list[Path]:
-    """Write ``trained`` into ``out_dir`` (created) for transformers; the files written."""
+def export(trained: Trained, out_dir: Path, codec: Codec | None = None) -> list[Path]:
+    """Write ``trained`` into ``out_dir`` (created) for transformers, with the run's
+    tokenizer (``codec``; bytes when None or a byte codec); the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = trained.model.config
     written = []
@@ -244,7 +249,7 @@ def export(trained: Trained, out_dir: Path) -> list[Path]:
     files: dict[str, dict[str, Any]] = {
         "config.json": gpt2_config(config),
         "generation_config.json": {"bos_token_id": None, "eos_token_id": None, "max_length": config.context_len},
-        "tokenizer.json": byte_tokenizer(),
+        "tokenizer.json": byte_tokenizer() if codec is None or codec.json is None else json.loads(codec.json),
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": config.context_len,
@@ -259,19 +264,31 @@ def export(trained: Trained, out_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    """A continuation of ``prompt`` (its UTF-8 bytes in, text out; the same for the same seed).
-    ``temperature`` 0 takes the most likely byte each time."""
+def sample(
+    model: GPT,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    codec: Codec | None = None,
+) -> str:
+    """A continuation of ``prompt`` (its tokens in, text out; the same for the same seed).
+    ``temperature`` 0 takes the most likely token each time. ``codec``: the run's
+    tokenizer (bytes when None)."""
+    codec = codec or Codec()
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     generator = torch.Generator().manual_seed(seed)
-    tokens = data.encode(prompt.encode() or b"\n")  # nothing to continue: a new line
+    tokens = torch.tensor(codec.encode(prompt.encode() or b"\n"), dtype=torch.long)  # nothing: a new line
     context = model.config.context_len
     new = []
     for _ in range(max_new_tokens):
-        logits = model(tokens[-context:].unsqueeze(0))[0, -1, : data.VOCAB_SIZE]  # bytes (gpt-125m pads its vocab)
+        # Only the tokenizer's ids (gpt-125m's byte runs pad the model's vocabulary).
+        logits = model(tokens[-context:].unsqueeze(0))[0, -1, : codec.vocab_size]
         if temperature == 0:
             token = int(logits.argmax())
         else:
@@ -282,4 +299,4 @@ def sample(model: GPT, prompt: str, *, max_new_tokens: int, temperature: float, 
             token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
         new.append(token)
         tokens = torch.cat([tokens, torch.tensor([token])])
-    return data.decode(torch.tensor(new, dtype=torch.long))
+    return codec.decode(new)

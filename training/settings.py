@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from training import algorithms, encodings
+from training.tokenizer import TokenizerError, bpe_vocab
 
 # "none": the run trains nothing (its nodes form the network only); the others are the
 # registry's (training/algorithms/).
@@ -153,6 +154,12 @@ class RunSettings:
     """The SHA-256 of the text the run trains on (training/corpus.py), set by a creator
     started with ``--data``; "" is the embedded corpus. A node trains in the run only with
     data that hashes the same."""
+    tokenizer: str = "bytes"
+    """How text becomes tokens (training/tokenizer.py): bytes, or bpe-N, a byte-level BPE of
+    at most N tokens every node trains alike on the run's text."""
+    tokenizer_sha256: str = ""
+    """With bpe-N: the SHA-256 of the creator's trained tokenizer.json (set when the run is
+    created); a node whose own differs does not train in the run."""
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     zo: ZoConfig = field(default_factory=ZoConfig)
@@ -164,11 +171,16 @@ class RunSettings:
         _choice("compression", self.compression, COMPRESSIONS)
         _in_range("rounds", self.rounds, 1, 1 << 30)
         _in_range("seed", self.seed, 0, 65535)
-        _check(
-            self.data_sha256 == ""
-            or (len(self.data_sha256) == 64 and set(self.data_sha256) <= set("0123456789abcdef")),
-            f"data_sha256: a SHA-256 in lowercase hex, or empty, got {self.data_sha256!r:.80}",
-        )
+        for name in ("data_sha256", "tokenizer_sha256"):
+            value = getattr(self, name)
+            _check(
+                value == "" or (len(value) == 64 and set(value) <= set("0123456789abcdef")),
+                f"{name}: a SHA-256 in lowercase hex, or empty, got {value!r:.80}",
+            )
+        try:
+            bpe_vocab(self.tokenizer)
+        except TokenizerError as exc:
+            raise SettingsError(str(exc)) from exc
         _check(
             self.algorithm not in algorithms.MIXTURE_OF_EXPERTS or self.model in MOE_PRESETS,
             f"model: {self.algorithm} trains a mixture of experts ({', '.join(MOE_PRESETS)}), got {self.model!r}",

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from training import algorithms, corpus, data, ipc
+from training import algorithms, corpus, data, ipc, tokenizer
 from training.models import GPT, GPTConfig, preset
 from training.trainer import Trainer
 from training.worker_config import WorkerConfig
@@ -45,7 +45,9 @@ def build_trainer(config: WorkerConfig) -> Trainer:
     model_config = GPTConfig(**{**_fields(preset(config.run.model)), **config.model_overrides})
     torch.manual_seed(config.seed + config.run.seed)
     model = GPT(model_config)
-    tokens = data.encode(corpus.read_corpus(None if config.data_path is None else Path(config.data_path)))
+    text = corpus.read_corpus(None if config.data_path is None else Path(config.data_path))
+    codec = tokenizer.Codec.load(None if config.tokenizer_path is None else Path(config.tokenizer_path))
+    tokens = data.tokens_of(text, codec)
     shard = data.make_shard(
         tokens, context_len=model_config.context_len, node_index=config.node_index, num_nodes=config.num_nodes
     )

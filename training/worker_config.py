@@ -21,6 +21,8 @@ class WorkerConfig:
     num_nodes: int = 1
     data_path: str | None = None
     """Text file or folder; the embedded corpus when None."""
+    tokenizer_path: str | None = None
+    """The run's trained tokenizer.json (training/tokenizer.py); bytes when None."""
     seed: int = 0
     """Initial weights: the same on every node of a run."""
     batch_seed: int | None = None
