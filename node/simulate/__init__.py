@@ -197,6 +197,11 @@ async def _poll(node: _Node) -> None:
         return
 
 
+# Without a terminal, the table is printed again only once something in it changed, and at
+# most this often.
+NO_TTY_EVERY_S = 2.0
+
+
 def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
     rows = [f"swarmtrain simulate: {len(nodes) - 1} nodes + bootstrap, {elapsed_s:5.1f} s"]
     rows.append(
@@ -258,7 +263,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 nodes.append(placement.start(f"n{i}", base, flags, index=i))
         expected_peers = options.num_nodes  # every other daemon plus the bootstrap node
         converged_at: float | None = None
-        last_print = -1e9
+        last_print, last_table = -1e9, ""
         assert options.timeout_s is not None
         stop_reason = f"not {'converged' if not options.settings.trains else 'trained'} after {options.timeout_s:g} s"
         killed: set[str] = set()
@@ -280,11 +285,14 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                         and s.get("peers_seen", 0) >= expected_peers
                     ):
                         node.converged_s = round(now - start, 3)
+                table = _render(nodes, now - start, expected_peers)
                 if tty:
-                    print("\x1b[H\x1b[J" + _render(nodes, now - start, expected_peers), flush=True)
-                elif now - last_print >= 2.0:
-                    print(_render(nodes, now - start, expected_peers), flush=True)
-                    last_print = now
+                    print("\x1b[H\x1b[J" + table, flush=True)
+                elif now - last_print >= NO_TTY_EVERY_S and table.split("\n", 1)[1] != last_table:
+                    # A log or a pipe gets the table when something in it changed (the clock
+                    # in its first line aside), at most every few seconds: not dozens of copies.
+                    print(table, flush=True)
+                    last_print, last_table = now, table.split("\n", 1)[1]
                 if late is not None and all(
                     (n.status.get("training") or {}).get("rounds", 0) >= options.settings.rounds // 4 for n in nodes[1:]
                 ):
