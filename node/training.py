@@ -101,7 +101,7 @@ def tokenizer_for_run(run: RunSettings, data_path: str | None, cache: Path) -> t
     if run.tokenizer_sha256 and tokenizer.sha256(ours) != run.tokenizer_sha256:
         return None, (
             f"the tokenizer this node trained (SHA-256 {tokenizer.sha256(ours)[:16]}…) is not the run's "
-            f"({run.tokenizer_sha256[:16]}…): another release of the tokenizers library? Use the creator's"
+            f"({run.tokenizer_sha256[:16]}…): another release of the tokenizers library? Install the creator's"
         )
     return cache, None
 
