@@ -82,37 +82,30 @@ class Daemon:
         self.seed = identity.load_or_create(self.data_dir.identity_file)
         self.peer_id = peer_id_from_seed(self.seed)
         self.identity_warning = identity.remember(self.data_dir.path / identity.RECORD_FILE, self.peer_id)
-        self.data_sha256 = self._hash_data()
-        self._train_tokenizer()
+        self._read_data()
         return self.peer_id
 
-    def _train_tokenizer(self) -> None:
-        """A run we create with a BPE tokenizer: trained now on our text (before the network
-        starts), its hash in the run's settings; every trainer trains its own alike."""
-        spec = self.config.run.settings.tokenizer
-        if self.config.run.new_run is None or tokenizer.bpe_vocab(spec) is None:
+    def _read_data(self) -> None:
+        """Before the network starts (a path that is not usable is the user's to fix now),
+        reading the text once: the hash of this node's --data ("" for the embedded corpus),
+        and for a run we create with a BPE tokenizer that tokenizer, trained on it, with its
+        hash for the run's settings (every trainer trains its own alike)."""
+        path = self.config.training.data
+        vocab = tokenizer.bpe_vocab(self.config.run.settings.tokenizer) if self.config.run.new_run else None
+        if path is None and vocab is None:
             return
-        vocab = tokenizer.bpe_vocab(spec)
-        assert vocab is not None
+        if path is not None:
+            # Absolute from where the command ran: the worker and `export` read it from elsewhere.
+            self.data_path = str(Path(path).expanduser().resolve())
         try:
             text = corpus.read_corpus(None if self.data_path is None else Path(self.data_path))
         except corpus.CorpusError as exc:
             raise ConfigError(f"training.data (--data): {exc}") from exc
-        self._new_tokenizer = tokenizer.train_bpe(text, vocab)
-        self.tokenizer_sha256 = tokenizer.sha256(self._new_tokenizer)
-
-    def _hash_data(self) -> str:
-        """The hash of this node's --data (read once, before the network starts: a path that
-        is not usable is the user's to fix now); "" for the embedded corpus."""
-        path = self.config.training.data
-        if path is None:
-            return ""
-        # Absolute from where the command ran: the worker and `export` read it from elsewhere.
-        self.data_path = str(Path(path).expanduser().resolve())
-        try:
-            return corpus.corpus_sha256(Path(self.data_path))
-        except corpus.CorpusError as exc:
-            raise ConfigError(f"training.data (--data): {exc}") from exc
+        if path is not None:
+            self.data_sha256 = corpus.text_sha256(text)
+        if vocab is not None:
+            self._new_tokenizer = tokenizer.train_bpe(text, vocab)
+            self.tokenizer_sha256 = tokenizer.sha256(self._new_tokenizer)
 
     @property
     def run_settings(self) -> RunSettings:

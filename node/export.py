@@ -69,7 +69,7 @@ def _codec(data_dir: Path, run_id: str) -> "Codec":
 
 
 def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average: bool = False) -> int:
-    from training.export import ExportError, export, load_trained, val_loss
+    from training.export import ExportError, export, load_trained
     from training.export import average as mean_of
 
     if out_dir.exists() and not out_dir.is_dir():
@@ -85,14 +85,11 @@ def export_command(data_dir: Path, run_id: str | None, out_dir: Path, *, average
                     replicas.append((peer, load_trained(state)))
                 except ExportError as exc:
                     print(f"{peer}: left out ({exc})", file=sys.stderr)
-            trained, members = mean_of(replicas, codec)
+            trained, members, mean_loss = mean_of(replicas, codec)
             for member in members:
                 verdict = "" if member.used else "  (left out)"
                 print(f"{member.name:54} round {member.round:5}  val loss {member.val_loss:.4f}{verdict}")
-            print(
-                f"{'the mean of ' + str(sum(m.used for m in members)):54} {'':11}  val loss "
-                f"{val_loss(trained.model, trained.data_path, codec):.4f}"
-            )
+            print(f"{'the mean of ' + str(sum(m.used for m in members)):54} {'':11}  val loss {mean_loss:.4f}")
         written = export(trained, out_dir, codec)
     except ExportError as exc:
         raise ExportFailed(str(exc)) from exc

@@ -50,8 +50,8 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def _megabytes(nbytes: object) -> str:
-    return f"{nbytes / 1e6:,.1f} MB" if isinstance(nbytes, int | float) else "?"
+def megabytes(nbytes: object, *, missing: str = "?") -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if isinstance(nbytes, int | float) else missing
 
 
 def training_lines(training: dict[str, Any]) -> list[str]:
@@ -68,7 +68,7 @@ def training_lines(training: dict[str, Any]) -> list[str]:
         head += f", about {duration(training['eta_s'])} left"
     exchanges = (
         f"a partner in {training.get('rounds_with_partner', 0)} of {len(training.get('loss_curve') or [])} rounds, "
-        f"{_megabytes(training.get('bytes_sent'))} sent, {_megabytes(training.get('bytes_received'))} received"
+        f"{megabytes(training.get('bytes_sent'))} sent, {megabytes(training.get('bytes_received'))} received"
     )
     return [head, exchanges, *busy_lines(training)]
 
@@ -84,7 +84,7 @@ def busy_lines(training: dict[str, Any]) -> list[str]:
     download = training.get("download")
     if isinstance(download, list | tuple) and len(download) == 2:
         done, total = download
-        lines.append(f"fetching a peer's state {_bar(done, total)} of {_megabytes(total)}")
+        lines.append(f"fetching a peer's state {_bar(done, total)} of {megabytes(total)}")
     replay = training.get("replay")
     if isinstance(replay, list | tuple) and len(replay) == 2:
         done, total = replay

@@ -24,7 +24,7 @@ from node.api import SOCKET_NAME, call
 from node.errors import ApiError
 from node.identity import IDENTITY_FILE
 from node.logs import short_peer
-from node.progress import duration
+from node.progress import duration, megabytes
 
 REFRESH_S = 1.0
 PRINT_WIDTH = 160
@@ -60,10 +60,6 @@ def data_dirs(given: list[Path]) -> list[Path]:
     return found
 
 
-def _mb(value: object) -> str:
-    return f"{value / 1e6:,.1f} MB" if isinstance(value, int | float) else "-"
-
-
 def row(name: str, status: dict[str, Any] | None) -> list[str]:
     """One node's cells (``status`` None: it did not answer)."""
     if status is None:
@@ -89,8 +85,8 @@ def row(name: str, status: dict[str, Any] | None) -> list[str]:
         peers,
         reach,
         str(training.get("device") or "-"),
-        _mb(training.get("bytes_sent")),
-        _mb(training.get("bytes_received")),
+        megabytes(training.get("bytes_sent"), missing="-"),
+        megabytes(training.get("bytes_received"), missing="-"),
     ]
 
 

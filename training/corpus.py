@@ -121,6 +121,11 @@ def read_corpus(path: Path | None) -> bytes:
     return corpus
 
 
+def text_sha256(text: bytes) -> str:
+    """The hash a run records for its text (``read_corpus``'s bytes)."""
+    return hashlib.sha256(text).hexdigest()
+
+
 def corpus_sha256(path: Path) -> str:
     """The hash a run records for the data at ``path``."""
-    return hashlib.sha256(read_corpus(path)).hexdigest()
+    return text_sha256(read_corpus(path))

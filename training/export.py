@@ -5,8 +5,9 @@ position embeddings, pre-norm blocks (LayerNorm ε 1e-5), one fused q/k/v projec
 in that order, a 4× MLP, a final LayerNorm and an output head tied to the token
 embedding. Two differences are written into the config rather than the weights: our MLP
 uses the exact GELU (``activation_function: "gelu"``; GPT-2's default is the tanh
-approximation) and our vocabulary is bytes. GPT-2 stores its linear layers as ``Conv1D``
-(``x @ W + b``, W of shape (in, out)): our ``nn.Linear`` weights are written transposed.
+approximation) and our vocabulary is the run's (bytes, or its BPE). GPT-2 stores its linear
+layers as ``Conv1D`` (``x @ W + b``, W of shape (in, out)): our ``nn.Linear`` weights are
+written transposed.
 
 What ``export`` writes into a folder (``AutoModelForCausalLM.from_pretrained(folder)`` and
 ``AutoTokenizer.from_pretrained(folder)`` load it; transformers is not needed to write it):
@@ -14,7 +15,8 @@ What ``export`` writes into a folder (``AutoModelForCausalLM.from_pretrained(fol
     model.safetensors        GPT-2's tensor names (lm_head is tied: not stored)
     config.json              GPT2LMHeadModel, our shape
     generation_config.json   no end-of-text token (bytes have none): generation runs to max_length
-    tokenizer.json           a byte-level BPE with no merges: token id = the byte's value
+    tokenizer.json           the run's BPE (training/tokenizer.py), or for bytes a byte-level
+                             BPE with no merges: token id = the byte's value
     tokenizer_config.json    PreTrainedTokenizerFast, model_max_length = our context
 
 The weights are the node's φ after its last outer step (θ = φ then), from a checkpoint of
@@ -32,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from training import checkpoint, corpus, data
-from training.models import GPT, GPTConfig, preset
+from training.models import GPT, GPTConfig, configured
 from training.tokenizer import Codec
 
 # Checkpoints whose ``phi.k`` are every parameter of the model, in ``model.parameters()`` order.
@@ -68,8 +70,7 @@ def load_trained(path: Path) -> Trained:
         raise ExportError(f"exporting a {algorithm} run is not supported yet (only {', '.join(PHI_ALGORITHMS)})")
     overrides = fingerprint.get("model_overrides") or {}
     try:
-        base = preset(name)
-        config = GPTConfig(**{**{k: getattr(base, k) for k in base.__slots__}, **overrides})
+        config = configured(name, overrides)
     except (ValueError, TypeError) as exc:
         raise ExportError(f"{path}: model {name!r} with {overrides}: {exc}") from exc
     if config.num_experts:
@@ -108,32 +109,39 @@ class Member:
     used: bool
 
 
-@torch.no_grad()
-def val_loss(
-    model: GPT, data_path: str | None, codec: Codec | None = None, *, batch_size: int = 8, max_batches: int = 8
-) -> float:
-    """The loss on the run's validation split (the last blocks of its text, every node's)."""
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def validation_batches(
+    data_path: str | None, codec: Codec, context_len: int, *, batch_size: int = 8, max_batches: int = 8
+) -> Batches:
+    """The run's validation split (the last blocks of its text, every node's), as batches."""
     text = corpus.read_corpus(None if data_path is None else Path(data_path))
-    tokens = data.tokens_of(text, codec or Codec())
-    shard = data.make_shard(tokens, context_len=model.config.context_len, node_index=0, num_nodes=1)
-    batches = shard.val_batches(batch_size=batch_size, max_batches=max_batches)
+    shard = data.make_shard(data.tokens_of(text, codec), context_len=context_len, node_index=0, num_nodes=1)
+    return shard.val_batches(batch_size=batch_size, max_batches=max_batches)
+
+
+@torch.no_grad()
+def val_loss(model: GPT, batches: Batches) -> float:
     model.eval()
     return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
 
 
-def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> tuple[Trained, list[Member]]:
-    """The mean of NoLoCo replicas' weights (the swarm's model) and how each replica fared
-    on the validation split. A replica that is not finite, or whose loss is more than
-    ``MAX_LOSS_OVER_MEDIAN`` times the median, is left out (said in its ``Member``)."""
+def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> tuple[Trained, list[Member], float]:
+    """The mean of NoLoCo replicas' weights (the swarm's model), how each replica fared on
+    the validation split, and the mean's loss there. A replica that is not finite, or whose
+    loss is more than ``MAX_LOSS_OVER_MEDIAN`` times the median, is left out (said in its
+    ``Member``). The text is read and tokenized once for all of them."""
     if not replicas:
         raise ExportError("no replica to average")
     reference = replicas[0][1]
+    batches = validation_batches(reference.data_path, codec or Codec(), reference.model.config.context_len)
     losses = []
     for name, trained in replicas:
         if [p.shape for p in trained.model.parameters()] != [p.shape for p in reference.model.parameters()]:
             raise ExportError(f"{name}'s model is not {reference.model_name}")
         finite = all(bool(torch.isfinite(p).all()) for p in trained.model.parameters())
-        losses.append(val_loss(trained.model, reference.data_path, codec) if finite else math.inf)
+        losses.append(val_loss(trained.model, batches) if finite else math.inf)
     median = sorted(losses)[(len(losses) - 1) // 2]
     members = [
         Member(name, trained.round, loss, math.isfinite(loss) and loss <= MAX_LOSS_OVER_MEDIAN * median)
@@ -147,7 +155,7 @@ def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> 
             param.copy_(torch.stack([params[k] for params in each]).mean(dim=0))
     mean.eval()
     rounds = max(t.round for t in used)
-    return Trained(mean, reference.model_name, rounds, reference.data_path), members
+    return Trained(mean, reference.model_name, rounds, reference.data_path), members, val_loss(mean, batches)
 
 
 def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:

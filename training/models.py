@@ -8,8 +8,11 @@ token's active parameters equal the dense model's: training/moe.py). Attention u
 ``scaled_dot_product_attention`` (flash kernels on CUDA, a fused CPU path elsewhere).
 """
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +79,12 @@ def preset(name: str) -> GPTConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})") from None
+
+
+def configured(name: str, overrides: Mapping[str, Any]) -> GPTConfig:
+    """Preset ``name`` with some fields replaced (a run's tokenizer sets ``vocab_size``);
+    ``ValueError`` for an unknown preset or value, ``TypeError`` for an unknown field."""
+    return dataclasses.replace(preset(name), **overrides)
 
 
 class _Block(nn.Module):

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import torch
 
 from training import algorithms, corpus, data, ipc, tokenizer
-from training.models import GPT, GPTConfig, preset
+from training.models import GPT, configured
 from training.trainer import Trainer
 from training.worker_config import WorkerConfig
 
@@ -42,7 +42,7 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         # A GPU machine with a CPU build of torch: train anyway (a crash would only loop).
         logger.warning("device cuda asked for, but this torch sees no CUDA device: training on the CPU")
         device = "cpu"
-    model_config = GPTConfig(**{**_fields(preset(config.run.model)), **config.model_overrides})
+    model_config = configured(config.run.model, config.model_overrides)
     torch.manual_seed(config.seed + config.run.seed)
     model = GPT(model_config)
     text = corpus.read_corpus(None if config.data_path is None else Path(config.data_path))
@@ -66,10 +66,6 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         trainer: Trainer = make(model, shard, config.run, **common)
         return trainer
     return Trainer(model, shard, **common)
-
-
-def _fields(config: GPTConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__slots__}
 
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:

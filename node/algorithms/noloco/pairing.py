@@ -89,12 +89,9 @@ BACKOFF_TIMES_ASK = 6.0
 ASK_TIME_WEIGHT = 0.2
 # The end of the pairing bound kept for a pull (at most a quarter of the bound).
 PULL_RESERVE_S = 5.0
-# A pull may bring a payload of up to this many rounds past ours. A node whose worker
-# started a moment after its peers' reaches each boundary once they have moved on: with
-# pulls of its own round only it found their outboxes holding the next round's payload,
-# went alone, and stayed behind for good (measured: a 3-node micro run, one node alone in
-# 29 of 30 rounds; alone rounds also take longer, asking everyone). A payload one outer
-# step ahead is as near our φ as an honest partner's (the worker's bounds still apply).
+# A pull may bring a payload of up to this many rounds past ours: a node a moment behind
+# its peers found their outboxes holding the next round's payload and went alone (one outer
+# step ahead is as near our φ as an honest partner's; the worker's bounds still apply).
 PULL_AHEAD_ROUNDS = 1
 
 
