@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="run the node daemon")
     add_node_flags(node, with_bootstrap=True)
     join = sub.add_parser("join", help="join a run through a peer: the friendly way in")
-    join.add_argument("multiaddr", help="a peer of the run: /ip4/IP/tcp/PORT/p2p/ID")
+    join.add_argument("multiaddr", help="a peer of the run: /ip4/IP/tcp/PORT/p2p/ID (or /ip6/…, /dns4/NAME/…)")
     add_node_flags(join, with_bootstrap=False)
     for name, text in (("status", "show what the running daemon is doing"), ("stop", "stop the running daemon")):
         cmd = sub.add_parser(name, help=text)

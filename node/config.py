@@ -40,7 +40,7 @@ def default_data_dir() -> Path:
 @dataclass(kw_only=True, slots=True)
 class NetworkConfig:
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/7400"])
-    """Multiaddrs to listen on (``/ip4/<ip>/tcp/<port>``; port 0 picks a free one)."""
+    """Multiaddrs to listen on (``/ip4/<ip>/tcp/<port>`` or ``/ip6/<ip>/tcp/<port>``; port 0 picks a free one)."""
     announce: list[str] = field(default_factory=list)
     """Addresses to tell peers instead of the listen addresses (e.g. a public IP)."""
     bootstrap: list[str] = field(default_factory=list)

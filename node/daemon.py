@@ -187,7 +187,7 @@ class Daemon:
                         own_settings=self.run_settings,
                         data_path=self.data_path,
                         tokenizer_file=self.data_dir.tokenizer_file(state.run_id),
-                        listen_ip=check_listen_addr(self.config.network.listen[0])[0],
+                        listen_ips=[check_listen_addr(a)[0] for a in self.config.network.listen],
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
                         checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),

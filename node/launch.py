@@ -53,12 +53,20 @@ def node_main(argv: list[str]) -> int:
 def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (flags override it)")
     parser.add_argument("--data-dir", type=Path, help="identity, lock, control socket, saved state")
-    parser.add_argument("--listen", action="append", metavar="MULTIADDR", help="/ip4/IP/tcp/PORT (repeatable)")
+    parser.add_argument(
+        "--listen",
+        action="append",
+        metavar="MULTIADDR",
+        help="/ip4/IP/tcp/PORT or /ip6/IP/tcp/PORT (repeatable: both families)",
+    )
     parser.add_argument("--port", type=int, help="listen on this TCP port on every interface (for --listen)")
     parser.add_argument("--announce", action="append", metavar="MULTIADDR", help="address to tell peers (repeatable)")
     if with_bootstrap:
         parser.add_argument(
-            "--bootstrap", action="append", metavar="MULTIADDR", help="/ip4/IP/tcp/PORT/p2p/ID (repeatable)"
+            "--bootstrap",
+            action="append",
+            metavar="MULTIADDR",
+            help="/ip4/IP/tcp/PORT/p2p/ID, /ip6/… or /dns4/NAME/… (repeatable)",
         )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--new-run", metavar="NAME", help="start a new run called NAME")

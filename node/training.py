@@ -117,7 +117,7 @@ class TrainingService:
         own_settings: RunSettings | None = None,
         data_path: str | None = None,
         tokenizer_file: Path | None = None,
-        listen_ip: str,
+        listen_ips: list[str],
         log_path: str,
         upload_limit_mbps: float = 0.0,
         checkpoint_path: str | None = None,
@@ -136,7 +136,7 @@ class TrainingService:
         self.refusal: str | None = None
         """Why this node does not train in the run it is in (its data is not the run's...)."""
         self._state = state
-        self._listen_ip = listen_ip
+        self._listen_ips = listen_ips
         self._log_path = log_path
         self._checkpoint_path = checkpoint_path
         self._device = device
@@ -203,7 +203,7 @@ class TrainingService:
             partners=self._partners,
             is_member=self._is_trainer_member,
             peers_changed=lambda: self._peers.changed,
-            listen_ip=self._listen_ip,
+            listen_ips=self._listen_ips,
             upload_limit=self._upload_limit,
             log_path=self._log_path,
             checkpoint_dir=Path(self._checkpoint_path).parent if self._checkpoint_path else None,

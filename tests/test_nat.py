@@ -206,13 +206,13 @@ async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[s
 
 
 def test_a_wildcard_listener_is_announced_on_this_machines_addresses_never_loopback_or_0000() -> None:
-    from protocol.net.host import _announce_for, _local_ipv4_addrs
+    from protocol.net.addrs import announce_for, local_ips
 
-    announced = _announce_for(["/ip4/0.0.0.0/tcp/7400"])
-    others = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")]
+    announced = announce_for(["/ip4/0.0.0.0/tcp/7400"])
+    others = [ip for ip in local_ips("ip4") if not ip.startswith("127.")]
     assert announced == [f"/ip4/{ip}/tcp/7400" for ip in others or ["127.0.0.1"]]
-    assert _announce_for(["/ip4/0.0.0.0/tcp/0"]) == []  # the port is known only once bound
-    assert _announce_for(["/ip4/127.0.0.1/tcp/7400"]) == []  # a specific address: libp2p's own
+    assert announce_for(["/ip4/0.0.0.0/tcp/0"]) == []  # the port is known only once bound
+    assert announce_for(["/ip4/127.0.0.1/tcp/7400"]) == []  # a specific address: libp2p's own
 
 
 def test_retries_double_their_wait_and_stop_at_the_limit() -> None:

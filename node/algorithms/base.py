@@ -65,7 +65,7 @@ class Context:
     """A peer whose own signed member record says it trains in this run (and not banned)."""
     peers_changed: Callable[[], "trio.Event"]
     """Set at the next change of liveness (``partners`` may differ then): take, check, wait."""
-    listen_ip: str
+    listen_ips: list[str]
     upload_limit: "RateLimit"
     log_path: str
     checkpoint_dir: Path | None = None

@@ -130,7 +130,7 @@ class PayloadRounds:
         self._late = await self._anyone_ahead()
         async with trio.open_nursery() as nursery:
             if inbox is not None:
-                channel = DataChannel(self.ctx.listen_ip)
+                channel = DataChannel(*self.ctx.listen_ips)
                 receiver = TensorReceiver(
                     self.ctx.host,
                     inbox.accept_payload,

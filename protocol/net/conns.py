@@ -8,6 +8,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from protocol.errors import DialError
+from protocol.net.addrs import plain_ip
 
 
 def parse_peer_id(peer_id: str) -> ID:
@@ -30,21 +31,22 @@ def socket_stream_of(conn: object) -> trio.SocketStream | None:
     return layer if isinstance(layer, trio.SocketStream) else None
 
 
-def remote_ipv4(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
-    """(IP, port) of the peer on our direct IPv4 connection to it; None if relayed or none."""
+def remote_ip(raw_host: IHost, peer_id: str) -> tuple[str, int] | None:
+    """(IP, port) of the peer on our direct connection to it (IPv4 or IPv6; an IPv4 address
+    mapped into IPv6 as the IPv4 it is); None if relayed or none."""
     try:
         conns = raw_host.get_network().connections.get(parse_peer_id(peer_id), [])
     except DialError:
         return None
     for conn in conns:
         sock = socket_stream_of(conn)
-        if sock is None or sock.socket.family != socket.AF_INET:
+        if sock is None or sock.socket.family not in (socket.AF_INET, socket.AF_INET6):
             continue
         try:
             ip, port = sock.socket.getpeername()[:2]
         except OSError:  # closed under us
             continue
-        return str(ip), int(port)
+        return str(plain_ip(str(ip))), int(port)
     return None
 
 

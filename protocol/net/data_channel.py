@@ -38,6 +38,8 @@ TOKEN_TIMEOUT_S = 5.0
 # Transfers waiting for their sender at once; more means a misbehaving peer or a bug.
 MAX_PENDING = 64
 CHUNK_NBYTES = 1 << 20
+# Ports tried for a channel on several addresses (IPv4 and IPv6) before it keeps the first.
+SAME_PORT_TRIES = 4
 
 
 @dataclass(slots=True)
@@ -51,16 +53,40 @@ class _Pending:
 class DataChannel:
     """The receiving side: a TCP listener and the transfers it expects."""
 
-    def __init__(self, ip: str) -> None:
-        self._ip = ip
+    def __init__(self, *ips: str) -> None:
+        """Listens on each of ``ips`` (the node's listen addresses: an IPv4 and an IPv6 one
+        when it listens on both), on one port: a sender connects to the address our libp2p
+        connection to it comes from, and the port we announce."""
+        if not ips:
+            raise ValueError("a data channel listens on at least one address")
+        self._ips = ips
         self._pending: dict[bytes, _Pending] = {}
         self.port = 0
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host=self._ip)
+        listeners = await self._listen()
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started()
         await trio.serve_listeners(self._handle, listeners)
+
+    async def _listen(self) -> list[trio.SocketListener]:
+        """Listeners on every address at one port the first picked; another family's address
+        that has that port taken tries again with a new port, then goes without it."""
+        for attempt in range(SAME_PORT_TRIES):
+            listeners = list(await trio.open_tcp_listeners(0, host=self._ips[0]))
+            port = listeners[0].socket.getsockname()[1]
+            try:
+                for ip in self._ips[1:]:
+                    listeners += await trio.open_tcp_listeners(port, host=ip)
+            except OSError as exc:
+                for listener in listeners:
+                    await listener.aclose()
+                if attempt + 1 < SAME_PORT_TRIES:
+                    continue
+                logger.warning("data channel: listening on %s only (%s)", self._ips[0], exc)
+                return list(await trio.open_tcp_listeners(0, host=self._ips[0]))
+            return listeners
+        raise AssertionError("unreachable")
 
     def expect(self, buffer: memoryview, peer_id: str) -> bytes:
         """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present.

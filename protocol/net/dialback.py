@@ -118,8 +118,8 @@ async def ask(host: DirectHostLike, server: str, ports: list[int]) -> tuple[bool
         logger.info("dial-back answer from %s is malformed", server)
         return None
     try:
-        seen_as = str(ipaddress.IPv4Address(ip)) if ip else None
+        seen_as = str(ipaddress.ip_address(ip)) if ip else None
     except ValueError:
-        logger.info("dial-back answer from %s names no IPv4 address", server)
+        logger.info("dial-back answer from %s names no IP address", server)
         return None
     return any(port in ports for port in ok), seen_as

@@ -19,12 +19,10 @@ Choices, each measured or learned in ../shared/probes:
 """
 
 import logging
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-import ifaddr
 import libp2p.pubsub.pubsub as _libp2p_pubsub
 import libp2p.pubsub.rpc_queue as _libp2p_rpc_queue
 import multiaddr
@@ -52,7 +50,9 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import BadMessage, DialError, NotSupported, ProtocolError, StreamError
-from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.net.addrs import announce_for, ensure_port_free, on_local_ips, resolve_addr
+from protocol.net.addrs import check_listen_addr as check_listen_addr  # re-exported
+from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of
 from protocol.net.dialback import DialbackServer
 from protocol.net.guard import Guard
 from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
@@ -116,87 +116,6 @@ def parse_dial_addr(addr: str) -> PeerAddrs:
     except _ADDR_ERRORS as exc:
         raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id>: {exc}") from exc
     return PeerAddrs(info.peer_id.to_base58(), tuple(str(a) for a in info.addrs))
-
-
-# Names in dial addresses (`/dns/...`, `/dns4/...`, `/dns6/...`): the address families each asks for.
-DNS_FAMILIES = {"dns": socket.AF_UNSPEC, "dns4": socket.AF_INET, "dns6": socket.AF_INET6}
-
-
-async def resolve_addr(addr: str) -> list[str]:
-    """``addr`` with a DNS name as the /ip4 and /ip6 addresses the name has now (py-libp2p's
-    TCP transport dials IP addresses only); any other address as it is. [] if the name does
-    not resolve."""
-    parts = addr.split("/")
-    if len(parts) < 3 or parts[1] not in DNS_FAMILIES:
-        return [addr]
-    try:
-        found = await trio.socket.getaddrinfo(parts[2], None, family=DNS_FAMILIES[parts[1]], type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        logger.info("cannot resolve %s: %s", parts[2], exc)
-        return []
-    resolved: list[str] = []
-    for family, *_, sockaddr in found:
-        ip = "/".join(["", "ip4" if family == socket.AF_INET else "ip6", str(sockaddr[0]), *parts[3:]])
-        if ip not in resolved:
-            resolved.append(ip)
-    return resolved
-
-
-def check_listen_addr(addr: str) -> tuple[str, int]:
-    """Validate a ``/ip4/<ip>/tcp/<port>`` listen address; returns (ip, port)."""
-    try:
-        maddr = multiaddr.Multiaddr(addr)
-        ip = maddr.value_for_protocol("ip4")
-        port = int(maddr.value_for_protocol("tcp"))
-    except _ADDR_ERRORS as exc:
-        raise ValueError(f"{addr!r} is not an /ip4/<ip>/tcp/<port> address") from exc
-    return str(ip), port
-
-
-def ensure_port_free(addr: str) -> None:
-    """Fail if another process already listens on ``addr``.
-
-    libp2p's listener sets SO_REUSEPORT, so a second daemon would silently share the port;
-    a plain bind (without SO_REUSEPORT) tells the truth.
-    """
-    ip, port = check_listen_addr(addr)
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((ip, port))
-        except OSError as exc:
-            raise DialError(f"cannot listen on {addr}: {exc.strerror}") from exc
-
-
-def _announce_for(listen_addrs: list[str]) -> list[str]:
-    """What to tell peers when listening on 0.0.0.0: this machine's addresses, not loopback.
-
-    libp2p would announce ``/ip4/0.0.0.0/...`` (identify) and we would add 127.0.0.1: a peer
-    dialing either reaches *itself*, fails the handshake (the peer id differs), and libp2p
-    then forgets every address of the peer it meant and blocks it for a minute, which is
-    what hole punching needs least. Empty (libp2p's default) if a port is not fixed yet.
-    """
-    if not any(a.startswith(_WILDCARD) for a in listen_addrs) or any(a.split("/")[4:5] == ["0"] for a in listen_addrs):
-        return []
-    ips = [ip for ip in _local_ipv4_addrs() if not ip.startswith("127.")] or ["127.0.0.1"]
-    return [a for addr in listen_addrs for a in _on_ips(addr, ips)]
-
-
-_WILDCARD = "/ip4/0.0.0.0/"
-
-
-def _on_ips(addr: str, ips: list[str]) -> list[str]:
-    """``addr``, or for a 0.0.0.0 address the same address on each of ``ips``."""
-    if not addr.startswith(_WILDCARD):
-        return [addr]
-    rest = addr.removeprefix(_WILDCARD)
-    return [f"/ip4/{ip}/{rest}" for ip in ips]
-
-
-def _local_ipv4_addrs() -> list[str]:
-    ips = {str(ip.ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips if ip.is_IPv4}
-    return sorted(ips, key=lambda ip: (ip.startswith("127."), ip))
 
 
 class FrameBudget:
@@ -348,12 +267,10 @@ class Host:
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
 
-        A listener on 0.0.0.0 is announced on each of this machine's IPv4 addresses; behind
+        A listener on a wildcard (0.0.0.0, ::) is announced on each of this machine's addresses of its family; behind
         a NAT, the port the router forwards (UPnP) and our relay circuit addresses come last.
         """
-        raw = [str(a) for a in self._host.get_addrs()]
-        ips = _local_ipv4_addrs() if any(a.startswith(_WILDCARD) for a in raw) else []
-        result = [a for addr in raw for a in _on_ips(addr, ips)]
+        result = on_local_ips([str(a) for a in self._host.get_addrs()], with_loopback=True)
         result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.extra_addrs())
         return result
 
@@ -383,8 +300,8 @@ class Host:
         return [str(a) for a in self._host.get_transport_addrs()]
 
     def direct_ip(self, peer_id: str) -> str | None:
-        """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
-        remote = remote_ipv4(self._host, peer_id)
+        """The peer's IP address (v4 or v6) on our direct TCP connection to it; None if relayed or none."""
+        remote = remote_ip(self._host, peer_id)
         return remote[0] if remote else None
 
     def socket_streams(self, peer_id: str) -> list[trio.SocketStream]:
@@ -671,7 +588,7 @@ async def open_host(
     key_pair = key_pair_from_seed(identity_seed)
     try:
         listen = [multiaddr.Multiaddr(a) for a in listen_addrs]
-        announce = [multiaddr.Multiaddr(a) for a in announce_addrs or _announce_for(listen_addrs)] or None
+        announce = [multiaddr.Multiaddr(a) for a in announce_addrs or announce_for(listen_addrs)] or None
     except _ADDR_ERRORS as exc:
         raise ValueError(f"bad listen or announce address: {exc}") from exc
     raw_host = new_host(

@@ -71,7 +71,8 @@ from libp2p.tools.anyio_service import background_trio_service
 from protocol.errors import DialError
 from protocol.net import dialback
 from protocol.net import upnp as igd
-from protocol.net.conns import parse_peer_id, remote_ipv4, socket_stream_of
+from protocol.net.addrs import ip_addr
+from protocol.net.conns import parse_peer_id, remote_ip, socket_stream_of
 from protocol.net.hostlike import DirectHostLike
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class NatPolicy:
 class Reservation:
     relay: str
     relay_addr: str
-    """The relay's transport address as we reached it (``/ip4/…/tcp/…``)."""
+    """The relay's transport address as we reached it (``/ip4/…/tcp/…`` or ``/ip6/…``)."""
     since: float
 
     @property
@@ -591,8 +592,8 @@ class Nat:
 
     def _transport_addr_of(self, peer_id: str) -> str | None:
         """The address we reached a peer on (its listen address when we dialed it)."""
-        remote = remote_ipv4(self._raw, peer_id)
-        return f"/ip4/{remote[0]}/tcp/{remote[1]}" if remote else None
+        remote = remote_ip(self._raw, peer_id)
+        return ip_addr(*remote) if remote else None
 
     def _notify(self) -> None:
         self.status.offering_relay = self._offering()
