@@ -5,6 +5,8 @@ run into an attacker; nothing here ships in the daemon itself.
     await poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
     await never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
     await poison_experts(d, scale)    SPES: the versions of its experts it publishes carry values × scale
+    await fight_for_leases(d)         SPES: it claims one expert more than the rule gives it, then
+                                      each round it claims back every expert it ever held
     flood_batch(d, n)           ZO: one signed batch of n entries for its current round, every
                                 g the largest (n > steps per round breaks the run's rules)
     equivocation(d)             ZO: another signed batch for its sequence numbers 0…H-1
@@ -22,6 +24,7 @@ from node.algorithms.spes import Spes
 from node.algorithms.zo import Zo, zolog
 from node.algorithms.zo.rounds import ZoRounds
 from node.daemon import Daemon
+from protocol.runstate.state import LeaseRecord, sign_lease
 
 
 async def pairing_of(daemon: Daemon) -> Pairing:
@@ -67,6 +70,31 @@ async def poison_experts(daemon: Daemon, scale: float) -> None:
         return publish(seed, expert, round_index, (np.frombuffer(data, dtype=np.float32) * scale).tobytes())
 
     store.publish = poisoned  # type: ignore[method-assign]
+
+
+async def fight_for_leases(daemon: Daemon) -> None:
+    assert daemon.training is not None
+    await daemon.training.started.wait()
+    algorithm = daemon.training.algorithm
+    assert isinstance(algorithm, Spes), "not a SPES trainer"
+    keeper = algorithm.keeper
+    claims = keeper.claims
+    held: set[int] = set()
+
+    def fighting(owners: Any, round_index: int) -> list[bytes]:
+        updates = claims(owners, round_index)
+        mine = set(keeper.mine())
+        if mine and not held:  # to begin with, one expert more than its share
+            held.add(min(set(range(keeper.num_experts)) - mine, default=0))
+        held.update(mine)
+        state = keeper._state
+        for expert in sorted(held - mine):
+            top = state.leases[expert]
+            record = LeaseRecord(expert, keeper.peer_id, top.epoch + 1, round_index)
+            updates.append(state.put_lease(sign_lease(record, keeper._seed, state.run_id)))
+        return updates
+
+    keeper.claims = fighting  # type: ignore[method-assign]
 
 
 def has_zo(daemon: Daemon) -> bool:

@@ -298,3 +298,64 @@ def test_rank_ties_do_not_always_favour_one_peer() -> None:
         for e, k in itertools.product(range(8), range(1, 5))
     )
     assert wins[a] > 0 and wins[b] > 0
+
+
+def test_a_member_fighting_for_an_expert_it_lost_is_penalized_an_honest_take_back_is_not() -> None:
+    """t claims a's expert 0 (a higher epoch wins the document); a, one short, takes one of
+    t's back by the rule. t takes that one back, and again a round later: the rule never
+    does that while a is active (a would hold fewer than t), so a, and b if it looked in
+    between, penalize t once a has stayed active as long as lapsing takes; five such
+    points ban it, and a banned peer's claims are left out. a's own take-back, a balance
+    move, costs a nothing; so does a first take-back, and one from an owner that then
+    lapses."""
+    a, b, t = PEERS[:3]
+    states = {p: RunState(RUN) for p in (a, b, t)}
+    keepers = {p: LeaseKeeper(states[p], seed=SEED_OF[p], peer_id=p, lapse_rounds=2) for p in (a, b, t)}
+
+    def share(updates: list[bytes]) -> None:
+        for update in updates:
+            for state in states.values():
+                state.apply_remote(update)
+
+    def steal(expert: int, round_index: int) -> None:
+        top = states[t].leases[expert]
+        share([states[t].put_lease(lease(expert, t, top.epoch + 1, round_index))])
+
+    for keeper in keepers.values():
+        keeper.num_experts = 6
+    share([states[a].put_lease(lease(e, owner)) for e, owner in enumerate([a, a, b, b, t, t])])
+
+    def look(peer: str, round_index: int, *, silent: str | None = None) -> list[tuple[str, str]]:
+        """One round boundary of ``peer``'s (rounds SILENT_S apart); everyone answered just
+        now but ``silent``, which last answered at round 0."""
+        now = round_index * SILENT_S
+        answered = {p: (0, 0.0) if p == silent else (round_index, now) for p in (a, b, t)}
+        heard = Progress({p: round_index for p in (a, b, t)}, {}, answered)
+        keeper = keepers[peer]
+        share(keeper.claims(keeper.owners(keeper.active([a, b, t], heard, round_index, now=now)), round_index))
+        fights, keeper.fights = keeper.fights, []
+        return fights
+
+    assert look(a, 0) == look(b, 0) == []
+    steal(0, 1)
+    assert look(a, 1) == []  # a fresh claim: the owner takes one back by the rule
+    [taken] = [e for e in keepers[a].mine() if e != 1]
+    assert states[b].leases[taken].owner == a
+    assert look(b, 1) == []  # a's take-back was a balance move (t held 3, a 1)
+    steal(taken, 2)  # t's first take-back: excused (as one after a ban would be)
+    assert look(b, 2) == [] and look(a, 2) == []  # b looked before a took it back again
+    assert keepers[a].view()[taken].owner == a
+    assert look(b, 2) == []  # and after: it sees each claim
+    steal(taken, 3)  # t again: a war
+    assert look(b, 3) == [] and look(a, 3) == []  # suspected: a might lapse yet
+    assert look(a, 4) == look(b, 4) == []
+    (fight_a,) = look(a, 5)
+    (fight_b,) = look(b, 5)
+    assert fight_a[0] == fight_b[0] == t
+    assert f"claimed expert {taken} back from {a} again" in fight_a[1]
+    assert keepers[a].view()[taken].owner == a
+    # t takes it back again, and this time a goes silent for b: b excuses t.
+    steal(taken, 6)
+    assert look(b, 6) == []
+    assert look(b, 7, silent=a) == look(b, 8, silent=a) == look(b, 9, silent=a) == []
+    assert a not in {lease.owner for lease in keepers[b].view().values()}  # it lapsed for b

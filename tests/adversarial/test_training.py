@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.attacks import never_send, poison_payloads
+from bench.attacks import fight_for_leases, never_send, poison_payloads
 from node.daemon import Daemon
 from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
 from tests.conftest import open_swarm
@@ -95,3 +95,43 @@ async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_re
         # the hostile's experts to others before it fetched a poisoned version, or that
         # finished first, has none (the same rule as the payload test's above).
         assert any(n.peers.is_banned(hostile.peer_id) for n in honest)
+
+
+async def test_a_spes_member_fighting_for_experts_it_lost_is_banned_by_its_victims(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It claims back, every round, each expert it ever held; the owners that took one back
+    by the rule (a balance move) lose it again. Each take-back costs it a point where seen
+    (its victims see every one), once the victim has stayed active as long as lapsing
+    takes (10 s): five and it is banned, and its claims are left out there."""
+    from node.algorithms.spes import Spes
+
+    rounds = 80  # ~30 s of micro-moe rounds on 2 cores: past the 10 s a point waits for
+    spes = {
+        **TRAINING,
+        "run__settings__algorithm": "spes",
+        "run__settings__model": "micro-moe",
+        "run__settings__rounds": rounds,
+    }
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, spes, run_name="war")
+        *honest, hostile = nodes
+        await fight_for_leases(hostile)
+        await until(
+            honest,
+            lambda: any(n.peers.is_banned(hostile.peer_id) for n in honest) or all(finished(n) for n in honest),
+            timeout_s=TIMEOUT_S,
+        )
+        banning = [n for n in honest if n.peers.is_banned(hostile.peer_id)]
+        assert banning, "no honest node banned the fighter"
+        await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
+        for node in honest:
+            assert node.training is not None and isinstance(node.training.algorithm, Spes)
+            status = node.training.status()
+            assert status is not None and math.isfinite(status["final_loss"])
+            assert not any(node.peers.is_banned(o.peer_id) for o in honest)
+        for node in banning:
+            status = node.training.status() if node.training else None
+            assert status is not None and hostile.peer_id not in {owner for owner, _ in status["leases"].values()}
+        fought = {r.args[0] for r in caplog.records if "expert lease war" in r.getMessage() and r.args}
+        assert fought == {hostile.peer_id}  # no honest node earned a point for it

@@ -127,6 +127,9 @@ class Spes(Noloco):
         progress = Progress(store.newest_by_owner, store.reported, store.answered, listening, training)
         active = self.keeper.active(self.ctx.partners(), progress, round_index, now=trio.current_time())
         updates = self.keeper.claims(self.keeper.owners(active), round_index)
+        fights, self.keeper.fights = self.keeper.fights, []
+        for peer, why in fights:
+            await self.ctx.host.punish(peer, f"expert lease war: {why}")
         if self.ctx.run_service is not None:
             for update in updates:
                 await self.ctx.run_service.push(update)

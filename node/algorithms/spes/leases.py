@@ -46,10 +46,29 @@ rule on its own view, took an expert back from whoever replaced it (the replacem
 left it one short), that node claimed it again next round, and so on to the end of the
 run: a claim war whose last claim decided who held the expert when the run ended.
 
-Not defended yet: a member can claim experts it was not given (the view takes any signed
-claim of a higher epoch); if it then publishes nothing it lapses and loses them after
-``lapse_rounds``, and its versions are bounded by the worker like any other
-(training/spes.py), but it can keep taking them back.
+A claim war costs its fighter. By the rule an owner loses an expert only once it lapsed,
+or for balance (the loser the most loaded by two or more, so it still holds at least as
+many as the taker afterwards); so while views agree, no honest node takes an expert from
+an owner we count active leaving it fewer experts than the taker. When the taker lost that
+expert itself within ``FIGHT_MEMORY_ROUNDS`` of our rounds (a take-back), and did so
+once before in that time (the first is excused: a node that banned a war's fighter takes
+back, once, what it lost to it, in the view of a node that has not banned it yet), we
+suspect a war; if the loser is still active once it has had the time to lapse
+(``lapse_rounds`` of our rounds and ``SILENT_S``: a taker whose view saw it lapse a
+little before ours is excused), the taker earns a penalty point (``LeaseKeeper.fights``;
+points decay). Five and it is banned, and a banned peer's claims are left out as above:
+the war ends. Without it a member that claimed experts it was not given (any signed claim
+of a higher epoch wins the document) could take them back every round from the owners
+that took them back by the rule; a member fighting by turns over every expert runs out of
+ones it has not lost within the memory. A take-back is seen for sure by its victim (the
+claim it replaced is the victim's own); others see it if they looked between the two
+claims.
+
+Not defended: a member can take an expert it has not lost lately from its owner (a claim
+of a higher epoch); the owner, one short, takes one of its experts back by the rule at its
+next round, so such a member holds at most one expert more than its share at a time and
+costs the run a hand-over per round until it has lost each expert once. Its versions are
+bounded by the worker like any other (training/spes.py).
 """
 
 import hashlib
@@ -65,6 +84,9 @@ logger = logging.getLogger("node.training")
 
 # An owner silent for its lapse rounds is lapsed only once it has been silent this long too.
 SILENT_S = 10.0
+# How long a peer's loss of an expert is remembered (a claim war's take-backs, above): a
+# member fighting by turns over every expert runs out of ones it has not lost within it.
+FIGHT_MEMORY_ROUNDS = 64
 
 
 def rank(run_id: str, expert: int, peer_id: str) -> bytes:
@@ -174,6 +196,18 @@ class LeaseKeeper:
         self._seen: dict[int, LeaseRecord] = {}
         self._first_seen: dict[LeaseRecord, int] = {}
         """Our round when we first saw each claim (lapses count from there)."""
+        self._lost: dict[tuple[int, str], int] = {}
+        """(expert, peer) → our round when that peer lost the expert (kept ``FIGHT_MEMORY_ROUNDS``)."""
+        self._took_back: dict[tuple[int, str], int] = {}
+        """(expert, peer) → our round of that peer's last take-back of a war (above)."""
+        self._active: set[str] = set()
+        """The owners we counted active at the last look (``active``), and when (trio's clock)."""
+        self._now = 0.0
+        self._suspects: list[tuple[str, str, str, int, float]] = []
+        """Take-backs of a war not yet counted: (taker, loser, why, our round, time) for each;
+        counted once the loser has stayed active as long as it takes to lapse."""
+        self.fights: list[tuple[str, str]] = []
+        """(peer, why) for each take-back of a claim war seen (above): to penalize, then clear."""
 
     def view(self) -> dict[int, LeaseRecord]:
         """Per expert, the best claim whose owner we have not banned."""
@@ -185,7 +219,6 @@ class LeaseKeeper:
 
     def active(self, trainers: Sequence[str], progress: Progress, our_round: int, *, now: float) -> list[str]:
         """We (while training) and the live trainers that say they train and have not lapsed."""
-        self.observe(our_round)
         held: dict[str, int] = {}
         for lease in self.view().values():
             held[lease.owner] = max(held.get(lease.owner, -1), self._first_seen.get(lease, our_round))
@@ -197,7 +230,20 @@ class LeaseKeeper:
             and (progress.training is None or progress.training.get(p, True))
             and not lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now)
         ]
-        return sorted([self.peer_id, *others])
+        self._active = {self.peer_id, *others}
+        self._now = now
+        suspects, self._suspects = self._suspects, []
+        for suspect in suspects:
+            taker, loser, why, seen_round, seen_at = suspect
+            if loser not in self._active:
+                continue  # it lapsed for us too: the taker's view was ahead of ours
+            if our_round - seen_round >= self._lapse_rounds and now - seen_at >= SILENT_S:
+                logger.warning("%s %s: a claim the lease rule does not make", taker, why)
+                self.fights.append((taker, why))
+            else:
+                self._suspects.append(suspect)
+        self.observe(our_round)
+        return sorted(self._active)
 
     def owners(self, active: Sequence[str]) -> dict[int, str]:
         return assign(self.num_experts, self.view(), active, run_id=self._state.run_id)
@@ -227,14 +273,36 @@ class LeaseKeeper:
 
     def observe(self, our_round: int) -> None:
         """Note every change of hands in the view since the last look, and when we first
-        saw each claim."""
-        for expert, lease in sorted(self.view().items()):
+        saw each claim; a take-back of a claim war (above) goes to ``fights``."""
+        view = self.view()
+        loads = Counter(lease.owner for lease in view.values())
+        self._lost = {k: r for k, r in self._lost.items() if our_round - r < FIGHT_MEMORY_ROUNDS}
+        self._took_back = {k: r for k, r in self._took_back.items() if our_round - r < FIGHT_MEMORY_ROUNDS}
+        for expert, lease in sorted(view.items()):
             self._first_seen.setdefault(lease, our_round)
             before = self._seen.get(expert)
             if before != lease and (before is None or lease.owner != before.owner):
                 previous = None if before is None else before.owner
                 self.releases.append(Release(expert, previous, lease.owner, lease.round, lease.epoch))
+                if previous is not None:
+                    self._fight(expert, lease.owner, previous, loads, our_round)
+                    self._lost[(expert, previous)] = our_round
             self._seen[expert] = lease
+
+    def _fight(self, expert: int, taker: str, loser: str, loads: Counter[str], our_round: int) -> None:
+        lost = self._lost.get((expert, taker))
+        if (
+            taker == self.peer_id
+            or lost is None
+            or loser not in self._active
+            or loads[loser] >= loads[taker]  # by the rule the loser still holds at least as many
+        ):
+            return
+        before = self._took_back.get((expert, taker))
+        self._took_back[(expert, taker)] = our_round
+        if before is not None:  # the first is excused (see above)
+            why = f"claimed expert {expert} back from {loser} again, {our_round - lost} round(s) after losing it"
+            self._suspects.append((taker, loser, why, our_round, self._now))
 
     def mine(self) -> list[int]:
         """The experts our best-known claims give us."""
