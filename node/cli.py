@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_set_flag(sim)
     sim.add_argument("--plot", type=Path, help="draw every node's loss curve into this PNG")
+    sim.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEVICE",
+        help="where every trainer trains: auto (default: a GPU if there is one), cpu, cuda or cuda:N (they share it)",
+    )
     sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     sim.add_argument(
@@ -172,6 +178,7 @@ def _command(args: argparse.Namespace) -> int:
                 late_join=args.late_join,
                 topology=args.topology,
                 symmetric_nats=args.symmetric_nats,
+                device=args.device,
             )
             return simulate(options)
     raise AssertionError(args.command)

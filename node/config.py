@@ -18,14 +18,13 @@ from typing import Any
 from node.errors import ConfigError
 from training import settings
 from training.settings import RunSettings
-from training.worker_config import COMPILE_MODES
+from training.worker_config import COMPILE_MODES, check_device
 
 T = typing.TypeVar("T")
 
 RUN_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}-[0-9a-f]{6}")
 ROLES = ("trainer", "bootstrap", "observer")
-DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # protocol/net/nat.py's RELAY_MODES and FORCED_REACHABILITY; repeated so reading a config never imports libp2p.
 RELAY_MODES = ("auto", "on", "off")
@@ -199,7 +198,7 @@ class NodeConfig:
     role: str = "trainer"
     """What this node does in a run: trainer, bootstrap (infrastructure only) or observer."""
     device: str = "auto"
-    """Compute device to announce: auto, cpu or cuda."""
+    """Where the worker trains: auto (a GPU if the worker's torch sees one), cpu, cuda or cuda:N."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     state: StateConfig = field(default_factory=StateConfig)
@@ -209,7 +208,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         _choice("log_level", self.log_level, LOG_LEVELS)
         _choice("role", self.role, ROLES)
-        _choice("device", self.device, DEVICES)
+        _wrap("device", check_device, self.device)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: a TCP port is 0 to 65535, got {self.metrics_port}")
 

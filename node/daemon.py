@@ -191,7 +191,7 @@ class Daemon:
                         log_path=str(self.config.data_dir / "worker.log"),
                         upload_limit_mbps=self.config.network.upload_limit_mbps,
                         checkpoint_path=str(self.data_dir.checkpoint_file(state.run_id)),
-                        device=detect_device(self.config.device),
+                        device=self.config.device,
                         identity_seed=self.seed,
                         run_service=self.run_service,
                     )

@@ -7,9 +7,11 @@ NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
 
 
 def detect_device(setting: str) -> str:
-    """``cpu`` or ``cuda``; ``auto`` picks cuda when the NVIDIA driver reports a GPU."""
+    """``cpu`` or ``cuda``, what a member record announces and what the worker is expected to
+    train on (it decides: training/worker.py ``resolve_device``); ``auto`` is cuda when the
+    NVIDIA driver reports a GPU, ``cuda:N`` is cuda."""
     if setting != "auto":
-        return setting
+        return setting.partition(":")[0]
     try:
         has_gpu = NVIDIA_PROC_DIR.is_dir() and any(NVIDIA_PROC_DIR.iterdir())
     except OSError:

@@ -72,7 +72,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     group.add_argument("--new-run", metavar="NAME", help="start a new run called NAME")
     group.add_argument("--run", metavar="ID", help="join the run with this id")
     parser.add_argument("--role", choices=config_module.ROLES)
-    parser.add_argument("--device", choices=config_module.DEVICES)
+    parser.add_argument("--device", metavar="DEVICE", help="auto (default: a GPU if there is one), cpu, cuda or cuda:N")
     parser.add_argument("--log-level", choices=config_module.LOG_LEVELS)
     parser.add_argument("--log-file", type=Path, metavar="PATH", help="also write the log to this file (appended)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")

@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from node.device import detect_device
 from training import ipc
 from training.worker_config import WorkerConfig
 
@@ -153,7 +154,9 @@ class Supervisor:
     def _note_device(self, device: str) -> None:
         """Say it on the console when the worker does not train where it was asked to (a GPU
         machine with a CPU build of torch): once, not at every restart."""
-        if device and device.split(":")[0] != self.config.device.split(":")[0] and device != self.device:
+        # auto expects a GPU where the driver lists one (a GPU the probe missed is no surprise).
+        expected = detect_device(self.config.device)
+        if device == "cpu" and expected == "cuda" and device != self.device:
             logger.warning(
                 "asked to train on %s, but the worker trains on %s (its reason is in the worker log)",
                 self.config.device,

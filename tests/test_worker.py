@@ -204,6 +204,40 @@ async def test_a_worker_told_cuda_without_one_trains_on_the_cpu_instead_of_crash
         assert await worker.process.wait() == 0
 
 
+def test_the_device_setting_resolves_to_where_this_torch_can_train(caplog: pytest.LogCaptureFixture) -> None:
+    from training.worker import resolve_device
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if gpus else "cpu")  # by torch, not by a probe of driver files
+    assert resolve_device(f"cuda:{gpus}") == "cpu"  # past the last GPU (or none): the CPU, said in the log
+    assert f"device cuda:{gpus} asked for" in caplog.text
+    if gpus:
+        assert resolve_device(f"cuda:{gpus - 1}") == f"cuda:{gpus - 1}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("algorithm", ["local", "noloco", "diloco", "zo"])
+async def test_every_algorithms_worker_trains_a_round_on_cuda(algorithm: str) -> None:
+    """The worker on the GPU: ready names the device, a round's steps run (ZO once handed a
+    host batch to the GPU model and crashed)."""
+    worker = await start_worker(algorithm=algorithm, rounds=1, model="micro", model_overrides={}, device="cuda:0")
+    ready = await receive(worker)
+    assert ready["t"] == "ready" and ready["device"] == "cuda:0"
+    if algorithm == "zo":
+        await worker.send("zo_finish")
+        assert (await receive(worker))["t"] == "zo_done"
+        await worker.send("zo_go", round=0, seeds=[1, 2, 3])
+        step = await receive(worker)
+        assert len(step["g_codes"]) == 3
+    else:
+        done = await receive(worker)
+        assert done["t"] == "round_done" and done["val_loss"] == done["val_loss"]  # not NaN
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+
+
 async def test_zo_worker_rewinds_to_a_kept_copy_bit_identical_to_a_replay_from_genesis() -> None:
     worker = await start_worker(algorithm="zo", rounds=1, model="micro", model_overrides={})
     ready = await receive(worker)
@@ -328,3 +362,30 @@ async def test_a_session_failing_with_a_bug_restarts_the_worker_and_one_failing_
     with trio.fail_after(TIMEOUT_S), pytest.raises(ValueError, match="the same bug"):
         await strict.run()
     assert strict.num_starts == 1
+
+
+def test_the_console_says_when_the_worker_trains_elsewhere_than_expected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """auto expects a GPU where the driver lists one: a worker on the CPU there (a CPU build
+    of torch) is said on the console, once; a GPU the probe missed (a sandbox without the
+    driver's files) is no surprise; cuda:N expects cuda."""
+    from node import device
+    from node.supervisor import Supervisor
+
+    async def session(worker: WorkerConnection) -> None:
+        raise AssertionError("not started")
+
+    run = RunSettings(algorithm="local")
+    gpus = tmp_path / "gpus"
+    monkeypatch.setattr(device, "NVIDIA_PROC_DIR", gpus)
+    Supervisor(WorkerConfig(run=run, device="auto"), session)._note_device("cuda:0")
+    (gpus / "0000:01:00.0").mkdir(parents=True)
+    supervisor = Supervisor(WorkerConfig(run=run, device="auto"), session)
+    supervisor._note_device("cuda")
+    assert "asked to train on" not in caplog.text
+    supervisor._note_device("cpu")
+    supervisor._note_device("cpu")
+    assert caplog.text.count("asked to train on auto, but the worker trains on cpu") == 1
+    Supervisor(WorkerConfig(run=run, device="cuda:1"), session)._note_device("cuda:1")
+    assert caplog.text.count("asked to train on") == 1

@@ -35,13 +35,34 @@ def worker_main(name: str) -> WorkerMain:
     return main
 
 
+def resolve_device(setting: str) -> str:
+    """Where to train for a device setting (training/worker_config.py DEVICES): auto is a GPU
+    when this torch sees one; a GPU this machine lacks (a CPU build of torch, an index past
+    the last GPU) means the CPU, said in the worker log (the daemon says it on the console:
+    node/supervisor.py), since a crash would only loop."""
+    if setting == "cpu":
+        return "cpu"
+    available = torch.cuda.is_available()
+    if setting == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        logger.warning("device %s asked for, but this torch sees no CUDA device: training on the CPU", setting)
+        return "cpu"
+    index = torch.device(setting).index
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        logger.warning(
+            "device %s asked for, but this machine has %d CUDA device(s): training on the CPU", setting, count
+        )
+        return "cpu"
+    if index is not None:
+        torch.cuda.set_device(index)  # Triton kernels and allocations without an index go there too
+    return setting
+
+
 def build_trainer(config: WorkerConfig) -> Trainer:
     torch.set_num_threads(config.threads)
-    device = config.device
-    if device == "cuda" and not torch.cuda.is_available():
-        # A GPU machine with a CPU build of torch: train anyway (a crash would only loop).
-        logger.warning("device cuda asked for, but this torch sees no CUDA device: training on the CPU")
-        device = "cpu"
+    device = resolve_device(config.device)
     model_config = configured(config.run.model, config.model_overrides)
     torch.manual_seed(config.seed + config.run.seed)
     model = GPT(model_config)
@@ -58,7 +79,7 @@ def build_trainer(config: WorkerConfig) -> Trainer:
         "seed": (config.node_index if config.batch_seed is None else config.batch_seed) + 1_000_003 * config.run.seed,
         "compression": config.run.compression,
         "device": device,
-        "compile_model": config.compile == "on" or (config.compile == "auto" and device == "cuda"),
+        "compile_model": config.compile == "on" or (config.compile == "auto" and device != "cpu"),
     }
     # An algorithm with a trainer of its own (SPES) names it ``make_trainer`` in its module.
     make = getattr(importlib.import_module(algorithms.MODULES[config.run.algorithm]), "make_trainer", None)

@@ -7,8 +7,22 @@ from typing import Any
 from training import settings
 from training.settings import RunSettings
 
-DEVICES = ("cpu", "cuda")
+# Where a worker trains: auto (a GPU when this torch sees one, else the CPU), cpu, cuda
+# (the first GPU) or cuda:N. The worker decides (training/worker.py ``resolve_device``): the
+# daemon never imports torch, and a probe of the driver's files misses sandboxed GPUs.
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+MAX_CUDA_INDEX = 63
 COMPILE_MODES = ("auto", "on", "off")
+
+
+def check_device(name: str) -> str:
+    """``name`` if it is one of DEVICES (N a GPU index, 0 to MAX_CUDA_INDEX); else ValueError."""
+    if name in ("auto", "cpu", "cuda"):
+        return name
+    family, _, index = name.partition(":")
+    if family == "cuda" and index.isdigit() and index == str(int(index)) and int(index) <= MAX_CUDA_INDEX:
+        return name
+    raise ValueError(f"must be auto, cpu, cuda or cuda:N (N a GPU index, 0 to {MAX_CUDA_INDEX}), got {name!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +45,7 @@ class WorkerConfig:
     threads: int = 1
     """torch threads: several workers share a CPU in a simulation."""
     device: str = "cpu"
+    """One of DEVICES; the worker reports where it trains in ``ready``."""
     compile: str = "auto"
     """torch.compile the model: auto means on CUDA only (on a CPU it barely helps small models)."""
     checkpoint_path: str | None = None
@@ -61,8 +76,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.run.trains:
             raise ValueError("a worker needs a run that trains (algorithm none trains nothing)")
-        if self.device not in DEVICES or self.compile not in COMPILE_MODES:
-            raise ValueError(f"device must be one of {DEVICES} and compile one of {COMPILE_MODES}")
+        check_device(self.device)
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}")
         if not 0 <= self.node_index < self.num_nodes:
             raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
         if self.threads < 1:

@@ -54,6 +54,7 @@ from node.errors import ApiError, ConfigError, NodeError
 from node.simulate.children import Child, start_forkserver
 from node.simulate.netbed import Netbed, NetbedUnavailable
 from training.settings import RunSettings
+from training.worker_config import check_device
 
 MAX_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -91,6 +92,8 @@ class SimulationOptions:
     topology: str = "loopback"
     symmetric_nats: int = 0
     """With --topology nat: this many NATs (the last ones) randomise ports."""
+    device: str = "auto"
+    """Where every trainer's worker trains (all on one GPU with cuda: they share it)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -105,6 +108,10 @@ class SimulationOptions:
             raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
             raise ConfigError(f"--symmetric-nats: must be 0 to --nodes ({self.num_nodes}), with --topology nat")
+        try:
+            check_device(self.device)
+        except ValueError as exc:
+            raise ConfigError(f"--device: {exc}") from exc
 
     def run_flags(self) -> list[str]:
         """What the run trains (the bootstrap node writes it into the manifest)."""
@@ -112,7 +119,9 @@ class SimulationOptions:
 
     def training_flags(self, index: int) -> list[str]:
         """A node's own part: its data shard (the rest comes from the manifest)."""
-        return [] if not self.settings.trains else ["--data-shard", f"{index}/{self.num_nodes}"]
+        if not self.settings.trains:
+            return []
+        return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device]
 
 
 @dataclass(slots=True)

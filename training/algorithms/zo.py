@@ -99,7 +99,8 @@ def _key(command: dict[str, Any], field: str) -> int | None:
 
 def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, step: int, seed: int) -> int:
     """One update: g by SPSA on this step's batch, as one byte."""
-    batch = trainer.shard.batch(batch_size=trainer.inner.batch_size, seed=trainer.seed, step=step)
+    inputs, targets = trainer.shard.batch(batch_size=trainer.inner.batch_size, seed=trainer.seed, step=step)
+    batch = (inputs.to(trainer.device), targets.to(trainer.device))  # the shard is in host memory
 
     def loss() -> float:
         return float(trainer.model.loss(*batch).item())
