@@ -96,7 +96,10 @@ class Trainer:
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
 
     def _new_optimizer(self) -> torch.optim.AdamW:
-        return torch.optim.AdamW(self._trainable, lr=self.inner.lr, weight_decay=self.inner.weight_decay)
+        # Fused on CUDA: one kernel for every parameter (measured on the H100: the unfused
+        # step cost ~3 ms of a gpt-125m step). On a CPU the reference path, unchanged.
+        fused = True if self.device.type == "cuda" else None
+        return torch.optim.AdamW(self._trainable, lr=self.inner.lr, weight_decay=self.inner.weight_decay, fused=fused)
 
     def memory(self) -> dict[str, int]:
         """What training holds per parameter, measured: trainable and total parameters, the
@@ -118,18 +121,31 @@ class Trainer:
     def inner_steps(self) -> float:
         """H AdamW steps on θ; returns the mean training loss."""
         self.model.train()
-        total = 0.0
+        # The losses add up where they are (float64, as Python floats would: the same sum on
+        # a CPU) and are read once a round: a read per step waits for the GPU each step.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.inner.steps_per_round):
-            inputs, targets = self.shard.batch(batch_size=self.inner.batch_size, seed=self.seed, step=self.step)
+            inputs, targets = self._batch()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-                loss = self._loss(inputs.to(self.device), targets.to(self.device))
+                loss = self._loss(inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
             torch.autograd.backward(loss)
             torch.nn.utils.clip_grad_norm_(self._trainable, self.inner.grad_clip)
             self.optimizer.step()
-            total += loss.item()
+            total += loss.detach().double()
             self.step += 1
-        return total / self.inner.steps_per_round
+        return float(total.item()) / self.inner.steps_per_round
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's batch on the device: on CUDA from page-locked memory, copied without
+        waiting (a pageable copy stalls the step; measured on the H100)."""
+        inputs, targets = self.shard.batch(batch_size=self.inner.batch_size, seed=self.seed, step=self.step)
+        if self.device.type != "cuda":
+            return inputs.to(self.device), targets.to(self.device)
+        return (
+            inputs.pin_memory().to(self.device, non_blocking=True),
+            targets.pin_memory().to(self.device, non_blocking=True),
+        )
 
     @torch.no_grad()
     def val_loss(self, *, max_batches: int = 8) -> float:
