@@ -389,3 +389,26 @@ def test_the_console_says_when_the_worker_trains_elsewhere_than_expected(
     assert caplog.text.count("asked to train on auto, but the worker trains on cpu") == 1
     Supervisor(WorkerConfig(run=run, device="cuda:1"), session)._note_device("cuda:1")
     assert caplog.text.count("asked to train on") == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_shared_memory_is_page_locked_for_a_gpu_and_copies_land_whole(device: str) -> None:
+    from multiprocessing import shared_memory
+
+    from training.pinned import page_locked
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    block = shared_memory.SharedMemory(create=True, size=1 << 20)
+    try:
+        with page_locked(block, torch.device(device)) as locked:
+            assert locked == (device == "cuda")
+            view = torch.frombuffer(block.buf, dtype=torch.uint8)
+            data = torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8).to(device)
+            view.copy_(data)
+            assert torch.equal(view, data.cpu())
+            assert torch.equal(view.to(device), data)
+            del view
+    finally:
+        block.close()
+        block.unlink()

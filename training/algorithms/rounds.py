@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from training import checkpoint, ipc
+from training.pinned import page_locked
 from training.trainer import PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
@@ -147,7 +148,8 @@ def run_rounds(
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     try:
-        _rounds(config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening())
+        with page_locked(outbox, trainer.device), page_locked(inbox, trainer.device):
+            _rounds(config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening())
     finally:
         for block in (outbox, inbox):
             block.close()
