@@ -1,0 +1,138 @@
+"""The GPU side of a NoLoCo round, piece by piece, against a pinned copy and the inner steps.
+
+One Trainer as the worker builds it (training/trainer.py), its outbox and inbox shared
+memory page-locked as the worker's are (training/pinned.py). Each round, timed with the
+device synchronized around each piece:
+- ``inner``: H inner steps (the round's work, ``--steps``, 50 as the issue's H);
+- ``export``: φ and Δ into the outbox (``outer_payload`` and the copy into shared memory);
+- ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and checked;
+- ``outer``: the outer step on it (``apply_noloco``);
+- ``checkpoint``: the state saved (encode and atomic write, as ``save`` after each round);
+- ``pinned_copy``: the reference, the payload's bytes from the device into a pinned buffer.
+Printed: one JSON object with the median of each piece over ``--rounds`` and the ratios
+``export_over_pinned_copy`` and ``stall_fraction`` = (export + import + outer + checkpoint)
+/ (inner + those): the share of a round the inner loop waits (≤ 0.05 wanted at H = 50).
+
+    python bench/gpu_outer.py                 # gpt-125m on cuda, micro on a CPU
+    python bench/gpu_outer.py --steps 50 --rounds 5 --checkpoint-dir /tmp
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training import checkpoint, corpus, data
+from training.models import GPT, preset
+from training.pinned import page_locked
+from training.settings import InnerConfig, OuterConfig
+from training.trainer import Trainer
+
+
+def timed(device: torch.device, work: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def one_round(
+    trainer: Trainer,
+    out_view: torch.Tensor,
+    in_view: torch.Tensor,
+    pinned: torch.Tensor,
+    path: Path,
+    device: torch.device,
+) -> dict[str, float]:
+    took = {"inner": timed(device, trainer.inner_steps)}
+    took["export"] = timed(device, lambda: out_view.copy_(trainer.outer_payload()))
+    in_view.copy_(out_view)
+    took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
+    took["outer"] = timed(device, lambda: trainer.apply_noloco(in_view))
+    state, meta = trainer.state()
+    took["checkpoint"] = timed(device, lambda: checkpoint.save(path, state, meta))
+    wire = trainer.outer_payload()
+    took["pinned_copy"] = timed(device, lambda: pinned.copy_(wire, non_blocking=True))
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", help="preset (default gpt-125m on cuda, micro on a CPU)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50, help="H, inner steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--checkpoint-dir", type=Path, help="where the checkpoint goes (default: a temp dir)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    name = args.model or ("gpt-125m" if device.type == "cuda" else "micro")
+    config = preset(name)
+    tokens = data.encode(corpus.embedded_corpus())
+    shard = data.make_shard(tokens, context_len=config.context_len, node_index=0, num_nodes=1)
+    inner = InnerConfig(steps_per_round=args.steps, batch_size=args.batch, lr=3e-4)
+    torch.manual_seed(0)
+    trainer = Trainer(
+        GPT(config),
+        shard,
+        inner=inner,
+        outer=OuterConfig(),
+        seed=0,
+        device=str(device),
+        compile_model=device.type == "cuda",
+    )
+    nbytes = trainer.payload_nbytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    times: dict[str, list[float]] = {k: [] for k in ("inner", "export", "import", "outer", "checkpoint", "pinned_copy")}
+    outbox = shared_memory.SharedMemory(create=True, size=nbytes)
+    inbox = shared_memory.SharedMemory(create=True, size=nbytes)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = (args.checkpoint_dir or Path(scratch)) / "gpu_outer.ckpt"
+        try:
+            with page_locked(outbox, device) as locked, page_locked(inbox, device):
+                out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=nbytes)
+                in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=nbytes)
+                for round_index in range(args.rounds + 1):  # the first compiles: not counted
+                    took = one_round(trainer, out_view, in_view, pinned, path, device)
+                    if round_index:
+                        for key, value in took.items():
+                            times[key].append(value)
+                del out_view, in_view
+        finally:
+            for block in (outbox, inbox):
+                block.close()
+                block.unlink()
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    stall = sum(medians[k] for k in ("export", "import", "outer", "checkpoint"))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "model": name,
+                "params": sum(p.numel() for p in trainer.model.parameters()),
+                "payload_bytes": nbytes,
+                "page_locked": locked,
+                "steps_per_round": args.steps,
+                "rounds": args.rounds,
+                **{f"{key}_s": round(value, 5) for key, value in medians.items()},
+                "export_over_pinned_copy": round(medians["export"] / medians["pinned_copy"], 3),
+                "stall_fraction": round(stall / (medians["inner"] + stall), 4),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
