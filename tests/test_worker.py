@@ -412,3 +412,29 @@ def test_shared_memory_is_page_locked_for_a_gpu_and_copies_land_whole(device: st
     finally:
         block.close()
         block.unlink()
+
+
+def test_a_block_still_viewed_by_a_transfer_is_closed_once_the_view_is_gone() -> None:
+    """Closing a block a transfer still reads raised BufferError, and its ``__del__`` later
+    raised it again where nobody catches it (a test's end, cancelled mid-exchange)."""
+    import gc
+    from multiprocessing import shared_memory
+
+    from node import supervisor
+    from node.supervisor import attach_block, close_block
+
+    created = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(2)]
+    try:
+        held, other = (attach_block(b.name) for b in created)
+        view = memoryview(held.buf)  # a send of this round still reads it
+        close_block(held)
+        assert held in supervisor._lingering
+        del held
+        gc.collect()  # it stays referenced: its __del__ does not run while the view lives
+        view.release()
+        close_block(other)
+        assert supervisor._lingering == []
+    finally:
+        for block in created:
+            block.close()
+            block.unlink()

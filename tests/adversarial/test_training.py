@@ -106,12 +106,15 @@ async def test_a_spes_member_fighting_for_experts_it_lost_is_banned_by_its_victi
     takes (10 s): five and it is banned, and its claims are left out there."""
     from node.algorithms.spes import Spes
 
-    rounds = 80  # ~30 s of micro-moe rounds on 2 cores: past the 10 s a point waits for
+    # Rounds of ~1.5 s (H = 20) on 2 cores: 30 of them are past the 10 s a point waits for
+    # by 20 rounds. (80 rounds of H = 5 drifted the honest replicas' shared weights past
+    # NoLoCo's bound around round 28 on a loaded machine: they refused each other.)
     spes = {
         **TRAINING,
         "run__settings__algorithm": "spes",
         "run__settings__model": "micro-moe",
-        "run__settings__rounds": rounds,
+        "run__settings__rounds": 30,
+        "run__settings__inner__steps_per_round": 20,
     }
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 4, spes, run_name="war")

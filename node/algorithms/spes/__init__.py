@@ -27,7 +27,7 @@ from node.algorithms.base import Context
 from node.algorithms.noloco import Noloco
 from node.algorithms.spes.experts import ExpertStore, Head
 from node.algorithms.spes.leases import LeaseKeeper, Progress, still_training
-from node.supervisor import WorkerConnection, WorkerGone, attach_block
+from node.supervisor import WorkerConnection, WorkerGone, attach_block, close_block
 from protocol.net.peers import BAN_POINTS
 from protocol.runstate.state import MAX_EXPERTS
 
@@ -103,7 +103,7 @@ class Spes(Noloco):
         self.keeper.num_experts = num_experts
         self._worker_rounds = list(held) if isinstance(held, list) and len(held) == num_experts else [-1] * num_experts
         if self._block is not None:
-            self._block.close()
+            close_block(self._block)
         self._block = attach_block(str(fields.get("experts")))
         super().ready(worker)
 
