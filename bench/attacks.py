@@ -58,12 +58,16 @@ async def never_send(daemon: Daemon) -> None:
     pairing._start_sending = nothing  # type: ignore[method-assign]
 
 
-async def poison_experts(daemon: Daemon, scale: float) -> None:
+async def spes_of(daemon: Daemon) -> Spes:
     assert daemon.training is not None
     await daemon.training.started.wait()
     algorithm = daemon.training.algorithm
     assert isinstance(algorithm, Spes), "not a SPES trainer"
-    store = algorithm.store
+    return algorithm
+
+
+async def poison_experts(daemon: Daemon, scale: float) -> None:
+    store = (await spes_of(daemon)).store
     publish = store.publish
 
     def poisoned(seed: bytes, expert: int, round_index: int, data: bytes) -> Any:
@@ -73,11 +77,7 @@ async def poison_experts(daemon: Daemon, scale: float) -> None:
 
 
 async def fight_for_leases(daemon: Daemon) -> None:
-    assert daemon.training is not None
-    await daemon.training.started.wait()
-    algorithm = daemon.training.algorithm
-    assert isinstance(algorithm, Spes), "not a SPES trainer"
-    keeper = algorithm.keeper
+    keeper = (await spes_of(daemon)).keeper
     claims = keeper.claims
     held: set[int] = set()
 

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training import corpus, data
-from training.models import GPT, preset
+from training.models import GPT, GPTConfig, preset
 from training.settings import InnerConfig, OuterConfig
 from training.trainer import Trainer
 
@@ -79,38 +80,61 @@ class NanoGPTLoop:
         return float(total.item()) / self.inner.steps_per_round
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_setup_args(parser: argparse.ArgumentParser, *, steps: int, rounds: int) -> None:
+    """The flags both GPU benches take (bench/gpu_outer.py too)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", help="preset (default gpt-125m on cuda, micro on a CPU)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup-rounds", type=int, default=1)
-    parser.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak (default: 989 on cuda)")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=steps, help="H, inner steps per timed round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    device: torch.device
+    name: str
+    config: GPTConfig
+    shard: data.Shard
+    inner: InnerConfig
+
+    def worker_trainer(self) -> Trainer:
+        """A Trainer as the worker builds it (compiled on CUDA), from seed 0."""
+        torch.manual_seed(0)
+        return Trainer(
+            GPT(self.config),
+            self.shard,
+            inner=self.inner,
+            outer=OuterConfig(),
+            seed=0,
+            device=str(self.device),
+            compile_model=self.device.type == "cuda",
+        )
+
+
+def setup(args: argparse.Namespace) -> Setup:
     device = torch.device(args.device)
     name = args.model or ("gpt-125m" if device.type == "cuda" else "micro")
     config = preset(name)
-    peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     tokens = data.encode(corpus.embedded_corpus())
     shard = data.make_shard(tokens, context_len=config.context_len, node_index=0, num_nodes=1)
-    inner = InnerConfig(steps_per_round=args.steps, batch_size=args.batch, lr=3e-4)
+    return Setup(device, name, config, shard, InnerConfig(steps_per_round=args.steps, batch_size=args.batch, lr=3e-4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_args(parser, steps=20, rounds=5)
+    parser.add_argument("--warmup-rounds", type=int, default=1)
+    parser.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak (default: 989 on cuda)")
+    args = parser.parse_args()
+    bench = setup(args)
+    device, name, config = bench.device, bench.name, bench.config
+    peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
+    ours = bench.worker_trainer()
     torch.manual_seed(0)
-    ours = Trainer(
-        GPT(config),
-        shard,
-        inner=inner,
-        outer=OuterConfig(),
-        seed=0,
-        device=str(device),
-        compile_model=device.type == "cuda",
-    )
-    torch.manual_seed(0)
-    reference = NanoGPTLoop(GPT(config), shard, inner, device)
+    reference = NanoGPTLoop(GPT(config), bench.shard, bench.inner, device)
     variants: dict[str, Any] = {"ours": ours, "nanogpt": reference}
     times: dict[str, list[float]] = {k: [] for k in variants}
     losses: dict[str, float] = {}

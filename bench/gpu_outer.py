@@ -31,10 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training import checkpoint, corpus, data
-from training.models import GPT, preset
+from bench.gpu_inner import add_setup_args, setup
+from training import checkpoint
 from training.pinned import page_locked
-from training.settings import InnerConfig, OuterConfig
 from training.trainer import Trainer
 
 
@@ -70,29 +69,12 @@ def one_round(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", help="preset (default gpt-125m on cuda, micro on a CPU)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=50, help="H, inner steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_setup_args(parser, steps=50, rounds=3)
     parser.add_argument("--checkpoint-dir", type=Path, help="where the checkpoint goes (default: a temp dir)")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    name = args.model or ("gpt-125m" if device.type == "cuda" else "micro")
-    config = preset(name)
-    tokens = data.encode(corpus.embedded_corpus())
-    shard = data.make_shard(tokens, context_len=config.context_len, node_index=0, num_nodes=1)
-    inner = InnerConfig(steps_per_round=args.steps, batch_size=args.batch, lr=3e-4)
-    torch.manual_seed(0)
-    trainer = Trainer(
-        GPT(config),
-        shard,
-        inner=inner,
-        outer=OuterConfig(),
-        seed=0,
-        device=str(device),
-        compile_model=device.type == "cuda",
-    )
+    bench = setup(args)
+    device, name = bench.device, bench.name
+    trainer = bench.worker_trainer()
     nbytes = trainer.payload_nbytes
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     times: dict[str, list[float]] = {k: [] for k in ("inner", "export", "import", "outer", "checkpoint", "pinned_copy")}
