@@ -17,6 +17,13 @@ Definition (version 1; tests/vectors/rng_v1.json holds test vectors):
 Parameter index p numbers the model's parameters in ``model.parameters()`` order; element
 index i is the position in the flattened (C-order) parameter.
 
+Version 2 (tests/vectors/rng_v2.json; a run's ``zo.signs`` setting picks the version) takes
+32 signs from each 32-bit word, so one hash makes 32 signs instead of one:
+
+    z₂(s,p,i)   = +1 if bit (i mod 32) of bits(s,p,⌊i/32⌋) is 0, else −1
+
+with ``bits`` and ``key`` as above (bit 0 is the least significant).
+
 Implementations: ``mix_int``/``bits_int`` (pure Python, the definition itself), the torch
 reference below (int64 tensors; the 32-bit multiply is split in 16-bit halves so no
 intermediate exceeds 2**63), and the Triton kernel in kernels/zo_apply.py (uint32).
@@ -25,6 +32,8 @@ intermediate exceeds 2**63), and the Triton kernel in kernels/zo_apply.py (uint3
 import torch
 
 VERSION = 1
+VERSIONS = (1, 2)
+SIGNS_PER_WORD = 32
 M32 = 0xFFFFFFFF
 C1 = 0x7FEB352D
 C2 = 0x846CA68B
@@ -83,15 +92,50 @@ def bits(
     return _mix((_mix(index ^ ka) + kb) & M32)
 
 
+def sign_bit_int(seed: int, param_index: int, index: int, version: int) -> int:
+    """1 where z(s, p, i) = −1, by the definition of ``version`` (slow; for checking)."""
+    if version == 1:
+        return bits_int(seed, param_index, index) >> 31
+    return (bits_int(seed, param_index, index // SIGNS_PER_WORD) >> (index % SIGNS_PER_WORD)) & 1
+
+
+_SHIFTS = torch.arange(SIGNS_PER_WORD, dtype=torch.int64)
+
+
+def words_to_sign_bits(words: torch.Tensor, skip: int, count: int) -> torch.Tensor:
+    """Version 2: the sign bits (int64, 1 = −1) of consecutive words, 32 per word from bit 0
+    up, from the ``skip``-th bit of the first word, ``count`` of them."""
+    expanded = (words.unsqueeze(1) >> _SHIFTS.to(words.device)) & 1
+    return expanded.view(-1)[skip : skip + count]
+
+
+def sign_bits(
+    seed: int, param_index: int, count: int, *, offset: int = 0, version: int = 1, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """1 where z(s, p, i) = −1, for i in [offset, offset + count), as int64."""
+    if version == 1:
+        return bits(seed, param_index, count, offset=offset, device=device) >> 31
+    if version != 2:
+        raise ValueError(f"unknown generator version {version} (known: {VERSIONS})")
+    if offset < 0 or count < 0 or offset + count > MAX_ELEMENTS:
+        raise ValueError(f"element indices must lie in [0, 2**32), got [{offset}, {offset + count})")
+    if count == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    first, last = offset // SIGNS_PER_WORD, (offset + count - 1) // SIGNS_PER_WORD
+    words = bits(seed, param_index, last - first + 1, offset=first, device=device)
+    return words_to_sign_bits(words, offset - first * SIGNS_PER_WORD, count)
+
+
 def rademacher(
     seed: int,
     param_index: int,
     count: int,
     *,
     offset: int = 0,
+    version: int = 1,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """z(s, p, i) ∈ {+1, −1} for i in [offset, offset + count)."""
-    top = bits(seed, param_index, count, offset=offset, device=device) >> 31
-    return (1 - 2 * top).to(dtype)
+    negative = sign_bits(seed, param_index, count, offset=offset, version=version, device=device)
+    return (1 - 2 * negative).to(dtype)

@@ -49,33 +49,48 @@ def _check(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.T
 
 
 def _negative(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    """z(s, p, i) < 0 for a range of element indices i (kernels/rng.py's definition)."""
+    """z(s, p, i) < 0 for a range of element indices i (kernels/rng.py's definition, version 1)."""
     return (rng._mix((rng._mix(index ^ ka) + kb) & rng.M32) >> 31).bool()
 
 
-_compiled_negative: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+def _negative_v2(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+    """The same for version 2: one hash per 32 elements (``index`` starts at a multiple of 32)."""
+    words = rng._mix((rng._mix((index[:: rng.SIGNS_PER_WORD] >> 5) ^ ka) + kb) & rng.M32)
+    return rng.words_to_sign_bits(words, 0, index.numel()).bool()
 
 
-def _negative_fn(work: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    global _compiled_negative
-    if work <= COMPILE_ABOVE:
-        return _negative
-    if _compiled_negative is None:
-        _compiled_negative = torch.compile(_negative, dynamic=True)
-    return _compiled_negative
+NegativeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_PLAIN: dict[int, NegativeFn] = {1: _negative, 2: _negative_v2}
+_compiled: dict[int, NegativeFn] = {}
+
+
+def _negative_fn(work: int, version: int) -> NegativeFn:
+    if version not in _PLAIN:
+        raise ValueError(f"unknown generator version {version} (known: {rng.VERSIONS})")
+    # Version 2 is not compiled: here its plain form ran 1.4x faster than the compiled one
+    # (bench/zo_apply.py --mparams 4: 0.86 against 0.62 GB/s at K = 1).
+    if work <= COMPILE_ABOVE or version == 2:
+        return _PLAIN[version]
+    if version not in _compiled:
+        _compiled[version] = torch.compile(_PLAIN[version], dynamic=True)
+    return _compiled[version]
 
 
 @torch.no_grad()
-def apply_reference(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor) -> None:
-    """In place, on the parameters' device, in the canonical order."""
+def apply_reference(
+    params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, version: int = 1
+) -> None:
+    """In place, on the parameters' device, in the canonical order; z of generator ``version``."""
     _check(params, seeds, coeffs)
     values = coeffs.tolist()
-    negative_fn = _negative_fn(sum(p.numel() for p in params) * len(seeds))
+    negative_fn = _negative_fn(sum(p.numel() for p in params) * len(seeds), version)
+    # Version 2's chunks start at a word (its 32 signs come from one hash).
+    chunk = CHUNK if version == 1 else max(rng.SIGNS_PER_WORD, CHUNK - CHUNK % rng.SIGNS_PER_WORD)
     for p, param in enumerate(params):
         flat = param.view(-1)
         keys = [rng.key(seed, p) for seed in seeds]
-        for start in range(0, flat.numel(), CHUNK):
-            count = min(CHUNK, flat.numel() - start)
+        for start in range(0, flat.numel(), chunk):
+            count = min(chunk, flat.numel() - start)
             index = torch.arange(start, start + count, dtype=torch.int64, device=param.device)
             acc = torch.zeros(count, dtype=torch.float32, device=param.device)
             for (ka, kb), c in zip(keys, values, strict=True):
@@ -136,9 +151,11 @@ def apply_triton(
         _apply_kernel[grid](param, param.numel(), ka, kb, coeffs.to(param.device), len(seeds), BLOCK=block)
 
 
-def apply(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor) -> None:
-    """The fused kernel on CUDA when Triton is there, the reference otherwise (same bits)."""
-    if triton is not None and params and all(p.device.type == "cuda" for p in params):
+def apply(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, version: int = 1) -> None:
+    """The fused kernel on CUDA when Triton is there, the reference otherwise (same bits).
+    Generator version 2 takes the reference on every device until a kernel of it has been
+    checked bit for bit on a GPU (torch's integer ops give the same bits there)."""
+    if version == 1 and triton is not None and params and all(p.device.type == "cuda" for p in params):
         apply_triton(params, seeds, coeffs)
     else:
-        apply_reference(params, seeds, coeffs)
+        apply_reference(params, seeds, coeffs, version=version)

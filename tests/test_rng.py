@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kernels import rng
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "rng_v1.json").read_text())
+VECTORS_V2 = json.loads((Path(__file__).parent / "vectors" / "rng_v2.json").read_text())
 
 
 @given(
@@ -39,16 +40,43 @@ def test_published_vectors(case: dict) -> None:  # type: ignore[type-arg]
     assert int(z.sum()) == case["sign_sum_2_20"]
 
 
-def test_streams_look_independent() -> None:
+@given(
+    st.integers(min_value=0, max_value=2**64 - 1),
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.integers(min_value=0, max_value=2**32 - 100),
+    st.integers(min_value=0, max_value=100),
+)
+def test_version_2_takes_32_signs_from_each_word_at_any_offset(
+    seed: int, param_index: int, offset: int, count: int
+) -> None:
+    got = rng.sign_bits(seed, param_index, count, offset=offset, version=2).tolist()
+    assert got == [rng.sign_bit_int(seed, param_index, offset + i, 2) for i in range(count)]
+
+
+@pytest.mark.parametrize("case", VECTORS_V2["cases"], ids=lambda c: f"s{c['seed']}-p{c['param_index']}")
+def test_published_vectors_of_version_2(case: dict) -> None:  # type: ignore[type-arg]
+    """Vectors written from the definition in pure Python (the word hashes, then their bits)."""
+    seed, p = int(case["seed"]), case["param_index"]
+    assert VECTORS_V2["version"] == 2 and 2 in rng.VERSIONS
+    assert rng.sign_bits(seed, p, 64, version=2).tolist() == case["sign_bits_0_64"]
+    assert rng.sign_bits(seed, p, 64, offset=2**32 - 64, version=2).tolist() == case["sign_bits_last_64"]
+    signs = rng.sign_bits(seed, p, 1 << 20, version=2).to(torch.uint8).numpy()
+    assert hashlib.sha256(np.packbits(signs).tobytes()).hexdigest() == case["sign_bits_2_20_sha256"]
+    assert int(rng.rademacher(seed, p, 1 << 20, version=2).sum()) == case["sign_sum_2_20"]
+
+
+@pytest.mark.parametrize("version", rng.VERSIONS)
+def test_streams_look_independent(version: int) -> None:
     # Deterministic inputs, so these bounds either hold or never do: 6 standard deviations.
     n = 1 << 20
     bound = 6 / n**0.5
-    z = rng.rademacher(7, 0, n, dtype=torch.float64)
+    z = rng.rademacher(7, 0, n, version=version, dtype=torch.float64)
     others = [
-        rng.rademacher(8, 0, n, dtype=torch.float64),  # next seed
-        rng.rademacher(7, 1, n, dtype=torch.float64),  # next parameter
-        rng.rademacher(7 + (1 << 32), 0, n, dtype=torch.float64),  # high word of the seed
-        rng.rademacher(7, 0, n, offset=1, dtype=torch.float64),  # the neighbouring element
+        rng.rademacher(8, 0, n, version=version, dtype=torch.float64),  # next seed
+        rng.rademacher(7, 1, n, version=version, dtype=torch.float64),  # next parameter
+        rng.rademacher(7 + (1 << 32), 0, n, version=version, dtype=torch.float64),  # high word of the seed
+        rng.rademacher(7, 0, n, offset=1, version=version, dtype=torch.float64),  # the neighbouring element
+        rng.rademacher(7, 0, n, offset=32, version=version, dtype=torch.float64),  # the next word's
     ]
     assert abs(float(z.mean())) < bound
     for other in others:

@@ -75,6 +75,7 @@ def test_settings_round_trip_through_every_carrier() -> None:
         ({"outer": {"beta": 3.0}}, "outer.beta"),
         ({"outer": {"delta": 1.0}}, "outer.delta"),
         ({"zo": {"g_max": 0.0}}, "zo.g_max"),
+        ({"zo": {"signs": 3}}, "zo.signs"),
         ({"zo": 5}, "zo"),
         ({"model": "x" * 1000}, "model"),
         ({"learning_rate": 1.0}, "learning_rate"),

@@ -14,29 +14,41 @@ def params() -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in [(17, 5), (300,), (4, 4, 4)]]
 
 
-def test_the_update_is_theta_minus_the_sum_of_lr_g_z() -> None:
+@pytest.mark.parametrize("version", rng.VERSIONS)
+def test_the_update_is_theta_minus_the_sum_of_lr_g_z(version: int) -> None:
     theta = params()
     coeffs = zo_apply.coefficients(1e-2, GS)
     expected = [
         t.double()
         - sum(
-            float(c) * rng.rademacher(s, p, t.numel(), dtype=torch.float64).view_as(t)
+            float(c) * rng.rademacher(s, p, t.numel(), version=version, dtype=torch.float64).view_as(t)
             for s, c in zip(SEEDS, coeffs, strict=True)
         )
         for p, t in enumerate(theta)
     ]
-    zo_apply.apply_reference(theta, SEEDS, coeffs)
+    zo_apply.apply_reference(theta, SEEDS, coeffs, version=version)
     for got, want in zip(theta, expected, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
-def test_chunking_does_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("version", "chunk"), [(1, 7), (2, 7), (2, 64)])
+def test_chunking_does_not_change_a_bit(monkeypatch: pytest.MonkeyPatch, version: int, chunk: int) -> None:
     whole, chunked = params(), params()
     coeffs = zo_apply.coefficients(0.1, GS)
-    zo_apply.apply_reference(whole, SEEDS, coeffs)
-    monkeypatch.setattr(zo_apply, "CHUNK", 7)
-    zo_apply.apply_reference(chunked, SEEDS, coeffs)
+    zo_apply.apply_reference(whole, SEEDS, coeffs, version=version)
+    monkeypatch.setattr(zo_apply, "CHUNK", chunk)
+    zo_apply.apply_reference(chunked, SEEDS, coeffs, version=version)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+
+
+def test_the_generators_differ_and_an_unknown_one_is_refused() -> None:
+    one, two = params(), params()
+    coeffs = zo_apply.coefficients(0.1, GS)
+    zo_apply.apply(one, SEEDS, coeffs, version=1)
+    zo_apply.apply(two, SEEDS, coeffs, version=2)
+    assert not torch.equal(one[1], two[1])
+    with pytest.raises(ValueError, match="generator version"):
+        zo_apply.apply(params(), SEEDS, coeffs, version=3)
 
 
 def test_order_is_part_of_the_rule() -> None:

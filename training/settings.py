@@ -102,8 +102,13 @@ class ZoConfig:
     parameter count (training/zo.py ``step_size``: 3e-3 on micro, 1.1e-4 on tiny)."""
     g_max: float = 16.0
     """Largest |g| one byte carries (larger saturates)."""
+    signs: int = 1
+    """The perturbation generator (kernels/rng.py): 1, one 32-bit hash per sign; 2, 32 signs
+    per hash (cheaper). Every node of a run uses the run's. 1 stays the default, so runs made
+    before version 2 replay as they were, until a GPU kernel of version 2 is checked."""
 
     def __post_init__(self) -> None:
+        _check(self.signs in (1, 2), f"zo.signs: must be 1 or 2, got {self.signs!r}")
         _in_range("zo.eps", self.eps, 0.0, 1.0, lo_open=True)
         _in_range("zo.lr", self.lr, 0.0, 1.0)
         _in_range("zo.g_max", self.g_max, 0.0, 1e6, lo_open=True)

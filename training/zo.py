@@ -81,14 +81,15 @@ Loss = Callable[[], float]
 
 
 @torch.no_grad()
-def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float) -> float:
-    """g = (L(θ + εz) − L(θ − εz)) / 2ε; the parameters end exactly as they began."""
+def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float, *, signs: int = 1) -> float:
+    """g = (L(θ + εz) − L(θ − εz)) / 2ε, z of generator ``signs``; the parameters end
+    exactly as they began."""
     kept = [p.detach().clone() for p in params]
     try:
-        zo_apply.apply(params, [seed], zo_apply.coefficients(-eps, [1.0]))  # θ + εz
+        zo_apply.apply(params, [seed], zo_apply.coefficients(-eps, [1.0]), version=signs)  # θ + εz
         plus = loss()
         copy_into(params, kept)
-        zo_apply.apply(params, [seed], zo_apply.coefficients(eps, [1.0]))  # θ − εz
+        zo_apply.apply(params, [seed], zo_apply.coefficients(eps, [1.0]), version=signs)  # θ − εz
         minus = loss()
     finally:
         copy_into(params, kept)
@@ -122,4 +123,4 @@ def apply_updates(params: Sequence[torch.Tensor], updates: Sequence[tuple[int, i
     if not config.lr > 0:
         raise ValueError("apply_updates needs the resolved step size (step_size), got lr = 0")
     gs = [decode_g(code, config.g_max) for _, code in updates]
-    zo_apply.apply(params, [seed for seed, _ in updates], zo_apply.coefficients(config.lr, gs))
+    zo_apply.apply(params, [seed for seed, _ in updates], zo_apply.coefficients(config.lr, gs), version=config.signs)

@@ -106,7 +106,7 @@ def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, st
         return float(trainer.model.loss(*batch).item())
 
     with torch.no_grad():
-        g = zo.spsa(params, loss, seed, config.eps)
+        g = zo.spsa(params, loss, seed, config.eps, signs=config.signs)
     try:
         return zo.encode_g(g, config.g_max)
     except ValueError:
