@@ -204,6 +204,16 @@ async def test_a_worker_told_cuda_without_one_trains_on_the_cpu_instead_of_crash
         assert await worker.process.wait() == 0
 
 
+def test_a_device_setting_is_auto_cpu_cuda_or_cuda_n() -> None:
+    from training.worker_config import check_device
+
+    for good in ("auto", "cpu", "cuda", "cuda:0", "cuda:63"):
+        assert check_device(good) == good
+    for bad in ("gpu", "cuda:", "cuda:-1", "cuda:00", "cuda:64", "cuda:\u00b2", "CUDA", "cuda:0 "):
+        with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+            check_device(bad)
+
+
 def test_the_device_setting_resolves_to_where_this_torch_can_train(caplog: pytest.LogCaptureFixture) -> None:
     from training.worker import resolve_device
 

@@ -20,7 +20,13 @@ def check_device(name: str) -> str:
     if name in ("auto", "cpu", "cuda"):
         return name
     family, _, index = name.partition(":")
-    if family == "cuda" and index.isdigit() and index == str(int(index)) and int(index) <= MAX_CUDA_INDEX:
+    if (
+        family == "cuda"
+        and index.isascii()
+        and index.isdigit()
+        and index == str(int(index))
+        and int(index) <= MAX_CUDA_INDEX
+    ):
         return name
     raise ValueError(f"must be auto, cpu, cuda or cuda:N (N a GPU index, 0 to {MAX_CUDA_INDEX}), got {name!r}")
 

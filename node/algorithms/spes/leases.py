@@ -201,8 +201,9 @@ class LeaseKeeper:
         self._took_back: dict[tuple[int, str], int] = {}
         """(expert, peer) → our round of that peer's last take-back of a war (above)."""
         self._active: set[str] = set()
-        """The owners we counted active at the last look (``active``), and when (trio's clock)."""
+        """The owners we counted active at the last look (``active``)."""
         self._now = 0.0
+        """When that look was (trio's clock): a take-back seen since is stamped with it."""
         self._suspects: list[tuple[str, str, str, int, float]] = []
         """Take-backs of a war not yet counted: (taker, loser, why, our round, time) for each;
         counted once the loser has stayed active as long as it takes to lapse."""
