@@ -89,8 +89,8 @@ async def fight_for_leases(daemon: Daemon) -> None:
         held.update(mine)
         state = keeper._state
         for expert in sorted(held - mine):
-            top = state.leases[expert]
-            record = LeaseRecord(expert, keeper.peer_id, top.epoch + 1, round_index)
+            top = state.leases.get(expert)  # none yet: the others have not claimed theirs
+            record = LeaseRecord(expert, keeper.peer_id, 1 if top is None else top.epoch + 1, round_index)
             updates.append(state.put_lease(sign_lease(record, keeper._seed, state.run_id)))
         return updates
 
