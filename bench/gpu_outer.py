@@ -7,10 +7,13 @@ device synchronized around each piece:
 - ``export``: φ and Δ into the outbox (``outer_payload`` and the copy into shared memory);
 - ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and checked;
 - ``outer``: the outer step on it (``apply_noloco``);
-- ``checkpoint``: the state saved (encode and atomic write, as ``save`` after each round);
+- ``checkpoint``: what saving the state costs the training path: the copy into the
+  background writer's buffers, plus any wait for the last round's write (training/saver.py,
+  as the worker saves after each round); ``checkpoint_sync`` (once, at the end): the whole
+  save (encode, hash, atomic write) as it was on the training path before;
 - ``pinned_copy``: the reference, the payload's bytes from the device into a pinned buffer.
 Printed: one JSON object with the median of each piece over ``--rounds`` and the ratios
-``export_over_pinned_copy`` and ``stall_fraction`` = (export + import + outer + checkpoint)
+``export_over_pinned_copy``, ``checkpoint_over_sync`` and ``stall_fraction`` = (export + import + outer + checkpoint)
 / (inner + those): the share of a round the inner loop waits (≤ 0.05 wanted at H = 50).
 
     python bench/gpu_outer.py                 # gpt-125m on cuda, micro on a CPU
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_inner import add_setup_args, setup
 from training import checkpoint
 from training.pinned import page_locked
+from training.saver import BackgroundSaver
 from training.trainer import Trainer
 
 
@@ -52,7 +56,7 @@ def one_round(
     out_view: torch.Tensor,
     in_view: torch.Tensor,
     pinned: torch.Tensor,
-    path: Path,
+    saver: BackgroundSaver,
     device: torch.device,
 ) -> dict[str, float]:
     took = {"inner": timed(device, trainer.inner_steps)}
@@ -61,7 +65,7 @@ def one_round(
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
     took["outer"] = timed(device, lambda: trainer.apply_noloco(in_view))
     state, meta = trainer.state()
-    took["checkpoint"] = timed(device, lambda: checkpoint.save(path, state, meta))
+    took["checkpoint"] = timed(device, lambda: saver.save(trainer.round, state, meta))
     wire = trainer.outer_payload()
     took["pinned_copy"] = timed(device, lambda: pinned.copy_(wire, non_blocking=True))
     return took
@@ -86,11 +90,15 @@ def main() -> None:
             with page_locked(outbox, device) as locked, page_locked(inbox, device):
                 out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=nbytes)
                 in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=nbytes)
+                saver = BackgroundSaver(path, lambda _round, _error: None)
                 for round_index in range(args.rounds + 1):  # the first compiles: not counted
-                    took = one_round(trainer, out_view, in_view, pinned, path, device)
+                    took = one_round(trainer, out_view, in_view, pinned, saver, device)
                     if round_index:
                         for key, value in took.items():
                             times[key].append(value)
+                saver.close()
+                state, meta = trainer.state()
+                checkpoint_sync = timed(device, lambda: checkpoint.save(path, state, meta))
                 del out_view, in_view
         finally:
             for block in (outbox, inbox):
@@ -109,6 +117,8 @@ def main() -> None:
                 "steps_per_round": args.steps,
                 "rounds": args.rounds,
                 **{f"{key}_s": round(value, 5) for key, value in medians.items()},
+                "checkpoint_sync_s": round(checkpoint_sync, 5),
+                "checkpoint_over_sync": round(medians["checkpoint"] / checkpoint_sync, 4),
                 "export_over_pinned_copy": round(medians["export"] / medians["pinned_copy"], 3),
                 "stall_fraction": round(stall / (medians["inner"] + stall), 4),
             }

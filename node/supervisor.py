@@ -53,8 +53,18 @@ class WorkerConnection:
         self.start_round = 0
         self.ready: dict[str, Any] = {}
         """The worker's ``ready`` message (an algorithm reads its own fields there)."""
+        self.on_saved: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        """Takes the worker's ``saved`` messages (its checkpoint thread's: they come between
+        any two others), so ``receive`` returns only the round's own; without it, returned."""
 
     async def receive(self) -> dict[str, Any]:
+        while True:
+            message = await self._next()
+            if message["t"] != "saved" or self.on_saved is None:
+                return message
+            await self.on_saved(message)
+
+    async def _next(self) -> dict[str, Any]:
         assert self.process.stdout is not None
         while True:
             if len(self._buffer) >= ipc.LENGTH_NBYTES:
@@ -148,6 +158,8 @@ class Supervisor:
         self.finished = trio.Event()
         self.starting_point: StartingPoint | None = None
         """Asked when a worker with ``ask_start_from`` says ``built``."""
+        self.before_start: Callable[[], Awaitable[None]] | None = None
+        """Awaited before each worker starts, once the one before it has exited."""
         self.device: str | None = None
         """Where the last worker trains, as it said (``cpu``, ``cuda``...)."""
 
@@ -183,6 +195,8 @@ class Supervisor:
 
     async def _run_once(self) -> bool:
         """One worker's life; True if it finished its rounds."""
+        if self.before_start is not None:
+            await self.before_start()
         command = [sys.executable, "-m", "training.worker", self.config.to_json()]
         stderr = open(self._log_path, "ab") if self._log_path else None  # noqa: ASYNC230, SIM115
         try:

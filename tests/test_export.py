@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from node.cli import main
-from training.algorithms.rounds import save
+from training import saver
 from training.export import _bytes_to_unicode, load_trained, sample
 from training.settings import RunSettings
 from training.worker import build_trainer
@@ -26,7 +26,8 @@ def trained_checkpoint(data_dir: Path, *, model: str = "micro", algorithm: str =
     trainer = build_trainer(config)
     trainer.inner_steps()
     trainer.apply_noloco(None)  # a round with no partner: φ moves to the trained weights
-    assert save(config, trainer) is None
+    tensors, meta = trainer.state()
+    assert saver.write(path, tensors, {**meta, "fingerprint": config.fingerprint()}) is None
     return path
 
 

@@ -77,7 +77,7 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         await worker.send("outer_go", round=round_index, peer=True)
         outer = await receive(worker)
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
-        assert outer == {**expected, "rejected": None, "drifted": False, "save_error": None}
+        assert outer == {**expected, "rejected": None, "drifted": False}
     assert losses[-1] < losses[0]
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
@@ -148,7 +148,6 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
         "used_peer": True,
         "rejected": None,
         "drifted": False,
-        "save_error": None,
     }
     assert (await receive(worker)) == expected
     await worker.send("stop")
@@ -164,8 +163,12 @@ async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path) -> No
     assert (await receive(worker))["round"] == 0
     await receive(worker)
     await worker.send("outer_go", round=0, peer=False)
-    await receive(worker)  # outer_done: round 0 is saved
-    lost = await receive(worker)
+    seen: dict[str, dict[str, Any]] = {}
+    while not {"saved", "round_done"} <= seen.keys():  # round 0 on disk, round 1 trained
+        message = await receive(worker)
+        seen[message["t"]] = message
+    assert seen["saved"]["round"] == 0 and seen["saved"]["save_error"] is None
+    lost = seen["round_done"]
     assert lost["round"] == 1
     worker.process.kill()  # mid-round 1: that round is done again
     await worker.process.wait()
@@ -315,18 +318,26 @@ def test_a_control_message_of_a_strange_type_is_an_ipc_error() -> None:
 
 async def test_a_full_disk_is_a_clear_error_and_a_retry_not_a_crash(short_tmp: Path) -> None:
     """The first checkpoint write lands on /dev/full (ENOSPC); the worker says so, trains on,
-    and the next round's save works: no crash loop."""
+    and the next round's save works: no crash loop. Writes are in the background: each
+    round's ``saved`` comes before the next round's ``outer_done``, the last round's before
+    its own."""
     path = short_tmp / "w.ckpt"
     (short_tmp / "w.ckpt.tmp").symlink_to("/dev/full")
     worker = await start_worker(algorithm="local", rounds=2, checkpoint_path=str(path))
     assert (await receive(worker))["t"] == "ready"
-    saves = []
+    saves: dict[int, str | None] = {}
+
+    async def next_message() -> dict[str, Any]:
+        while (message := await receive(worker))["t"] == "saved":
+            saves[message["round"]] = message["save_error"]
+        return message
+
     for round_index in range(2):
-        assert (await receive(worker))["t"] == "round_done"
+        assert (await next_message())["t"] == "round_done"
         await worker.send("outer_go", round=round_index, peer=False)
-        done = await receive(worker)
-        assert done["t"] == "outer_done"
-        saves.append(done["save_error"])
+        done = await next_message()
+        assert done["t"] == "outer_done" and "save_error" not in done
+    assert sorted(saves) == [0, 1]  # round 1's (the last) came before its outer_done
     assert saves[0] is not None and "space" in saves[0].lower() and saves[1] is None
     assert path.exists()
     await worker.send("stop")

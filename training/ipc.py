@@ -17,13 +17,17 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
-                                 ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     save_error}
+                                 ◀── {t: "outer_done", round, used_peer, rejected, drifted}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
-                                     with a ban unless drifted: not far past the bounds;
-                                     save_error: the checkpoint could not be written, e.g. a
-                                     full disk: training goes on, retried next round)
+                                     with a ban unless drifted: not far past the bounds)
+                                 ◀── {t: "saved", round, save_error} (with a checkpoint
+                                     path: the state after ``round`` is on disk, written in
+                                     the background, training/saver.py: at any point before
+                                     the next round's outer_done; the run's last round's
+                                     before its own outer_done. save_error: it could not be
+                                     written, e.g. a full disk: training goes on, retried
+                                     next round)
 
     DiLoCo instead collects every live node's payload before its outer step:
     {t: "accumulate", round, key}   ──▶ (the inbox holds the payload of peer ``key``)
@@ -67,6 +71,7 @@ No torch here: the daemon imports this module and never imports torch. Tensors m
 through shared memory, never through this pipe, and nothing is pickled.
 """
 
+import threading
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
@@ -83,6 +88,7 @@ WORKER_TYPES = frozenset(
         "inner_done",
         "round_done",
         "outer_done",
+        "saved",
         "accumulated",
         "error",
         "zo_step",
@@ -136,6 +142,12 @@ def read_blocking(stream: BinaryIO, allowed: frozenset[str]) -> dict[str, Any]:
     return decode(body, allowed)
 
 
+_writing = threading.Lock()
+"""One message at a time on the worker's pipe: its checkpoint thread writes ``saved``."""
+
+
 def write_blocking(stream: BinaryIO, msg_type: str, **fields: Any) -> None:
-    stream.write(encode(msg_type, fields))
-    stream.flush()
+    frame = encode(msg_type, fields)
+    with _writing:
+        stream.write(frame)
+        stream.flush()

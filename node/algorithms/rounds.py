@@ -54,6 +54,7 @@ class PayloadRounds:
         config = dataclasses.replace(ctx.worker_config, ask_start_from=True)
         self.supervisor = Supervisor(config, self._session, log_path=ctx.log_path)
         self.supervisor.starting_point = self._join
+        self.supervisor.before_start = self._set_aside
         self.states = StateOffers(ctx.host, ctx.state.run_id, ctx.checkpoint_dir)
         self.start_round = 0
         self._late = False
@@ -65,6 +66,8 @@ class PayloadRounds:
         self.resyncs = 0
         self._own_aside: Path | None = None
         """Our own state, moved aside by a resync: where we start if no peer offers one."""
+        self._aside_reason: str | None = None
+        """Why our state goes aside before the next worker starts (a resync), if it does."""
 
     # What a subclass provides.
 
@@ -187,7 +190,8 @@ class PayloadRounds:
         (``resync_reason``): the replica that drifted is ours (in the soak, restarted nodes
         that trained mostly alone drifted 16–25 updates away and were refused by everyone,
         for good). Like a joiner, we take a peer's state at the run's round; our own is kept
-        aside, and is where we go on if no peer offers one."""
+        aside (``_set_aside``, once the worker has exited: its last checkpoint write lands
+        first), and is where we go on if no peer offers one."""
         reason, self.resync_reason = self.resync_reason, None
         own = self.ctx.worker_config.checkpoint_path
         if own is None or self.ctx.checkpoint_dir is None:
@@ -197,6 +201,17 @@ class PayloadRounds:
             # A run of two: nobody else to tell which of us drifted, nor to take a state from.
             logger.warning("our weights and our peers' are far apart (%s); no other peer to take a state from", reason)
             return
+        self._aside_reason = reason
+        self.resyncs += 1
+        raise RestartWorker(f"our weights drifted from our peers' ({reason}): taking a peer's state")
+
+    async def _set_aside(self) -> None:
+        """Before the worker starts again after ``_resync``: our state moved aside, so the
+        new worker starts from a peer's."""
+        reason, self._aside_reason = self._aside_reason, None
+        own = self.ctx.worker_config.checkpoint_path
+        if reason is None or own is None:
+            return
         aside = Path(f"{own}.drifted")
         try:
             await trio.to_thread.run_sync(os.replace, own, aside)
@@ -204,8 +219,6 @@ class PayloadRounds:
             logger.warning("our weights drifted from our peers' (%s); cannot move our state aside: %s", reason, exc)
             return
         self._late, self._own_aside = True, aside
-        self.resyncs += 1
-        raise RestartWorker(f"our weights drifted from our peers' ({reason}): taking a peer's state")
 
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
@@ -222,7 +235,7 @@ class PayloadRounds:
             return
         self.ready(worker)
         await self.opening(worker)
-        own = self.ctx.worker_config.checkpoint_path
+        worker.on_saved = self._saved
         outbox = worker.outbox.buf[: worker.payload_nbytes]
         inbox = worker.inbox.buf[: worker.payload_nbytes]
         try:
@@ -249,9 +262,6 @@ class PayloadRounds:
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
                     await self.judge(message)
-                    self._note_save(message)
-                    if own is not None and not message.get("save_error"):
-                        await self.states.offer(Path(own), int(message["round"]) + 1)
                     metrics.rounds += 1
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
@@ -274,11 +284,16 @@ class PayloadRounds:
                     # view goes when that send ends. Never let this take the node down.
                     logger.info("worker buffers still in use by a transfer; released later")
 
-    def _note_save(self, done: dict[str, Any]) -> None:
-        """A checkpoint the worker could not write (a full disk): said once per new error, shown
-        in status until a save succeeds again."""
+    async def _saved(self, saved: dict[str, Any]) -> None:
+        """The worker's checkpoint of a round is on disk (training/saver.py): offered to
+        joiners from the round after it; or it could not be written (a full disk): said once
+        per new error, shown in status until a save succeeds again."""
+        own = self.ctx.worker_config.checkpoint_path
+        round_index = saved.get("round")
+        if own is not None and not saved.get("save_error") and type(round_index) is int and round_index >= 0:
+            await self.states.offer(Path(own), round_index + 1)
         metrics = self.ctx.metrics
-        error = done.get("save_error")
+        error = saved.get("save_error")
         error = str(error)[:300] if error else None
         if error and error != metrics.checkpoint_error:
             logger.error("the worker could not save its checkpoint: %s; training goes on, it retries", error)

@@ -4,7 +4,8 @@ Each round: H inner steps, ``inner_done`` (the daemon answers ``outbox_free`` on
 still reads last round's payload), φ and Δ into the outbox (shared memory), ``round_done``; then
 the daemon's commands until ``outer_go``: DiLoCo first sends ``accumulate`` once per
 peer payload it put in the inbox (each checked like any partner payload, kept or
-refused); then the algorithm's outer step, a checkpoint, ``outer_done``.
+refused); then the algorithm's outer step, a checkpoint (written in the background:
+training/saver.py), ``outer_done``.
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ import torch
 
 from training import checkpoint, ipc
 from training.pinned import page_locked
+from training.saver import BackgroundSaver
 from training.trainer import PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
@@ -107,26 +109,28 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
     logger.info("starting from a peer's state at round %d", trainer.round)
 
 
-def save(config: WorkerConfig, trainer: Trainer) -> str | None:
-    """The state after an outer step (never a non-finite one: the step refuses those first).
-
-    A failed write (a full disk, a read-only mount) is returned, not raised: training goes
-    on, the old file stays whole (the write is atomic), and the next round tries again;
-    a worker that crashed here instead would only crash again after its restart.
-    """
+def _saver(config: WorkerConfig, replies: BinaryIO) -> BackgroundSaver | None:
     if config.checkpoint_path is None:
         return None
+
+    def report(round_index: int, error: str | None) -> None:
+        ipc.write_blocking(replies, "saved", round=round_index, save_error=error)
+
+    return BackgroundSaver(Path(config.checkpoint_path), report)
+
+
+def save(
+    config: WorkerConfig, trainer: Trainer, saver: BackgroundSaver | None, round_index: int, *, last: bool
+) -> None:
+    """The state after an outer step (never a non-finite one: the step refuses those
+    first), written in the background (training/saver.py); the run's last round's is
+    written before its ``outer_done``, so the daemon has it when its run is over."""
+    if saver is None:
+        return
     tensors, meta = trainer.state()
-    try:
-        checkpoint.save(Path(config.checkpoint_path), tensors, {**meta, "fingerprint": config.fingerprint()})
-    except OSError as exc:
-        logger.error(
-            "could not save the checkpoint %s: %s; training goes on, retried next round",
-            config.checkpoint_path,
-            exc.strerror or exc,
-        )
-        return f"{exc.strerror or exc} ({config.checkpoint_path})"
-    return None
+    saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()})
+    if last:
+        saver.wait()
 
 
 def run_rounds(
@@ -147,10 +151,15 @@ def run_rounds(
     nbytes = trainer.payload_nbytes
     outbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
     inbox = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    saver = _saver(config, replies)
     try:
         with page_locked(outbox, trainer.device), page_locked(inbox, trainer.device):
-            _rounds(config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening())
+            _rounds(
+                config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening(), saver
+            )
     finally:
+        if saver is not None:
+            saver.close()  # the newest state on disk before the worker exits
         for block in (outbox, inbox):
             block.close()
             block.unlink()
@@ -165,6 +174,7 @@ def _rounds(
     replies: BinaryIO,
     outer: OuterStep,
     opening: Opening | None,
+    saver: BackgroundSaver | None,
 ) -> None:
     # Tensors over the shared blocks live only in this frame, and are deleted on the way
     # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
@@ -232,7 +242,7 @@ def _rounds(
                     replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
                 )
             result = outer(trainer, command, in_view, collected)
-            save_error = save(config, trainer)  # before "outer_done": a round the daemon counted is kept
+            save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds)
             ipc.write_blocking(
                 replies,
                 "outer_done",
@@ -240,7 +250,6 @@ def _rounds(
                 used_peer=result.used_peer,
                 rejected=result.rejected,
                 drifted=result.drifted,
-                save_error=save_error,
                 **result.extra,
             )
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)

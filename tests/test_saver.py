@@ -1,0 +1,95 @@
+"""Checkpoints written in the background (training/saver.py): what is written is the state
+when ``save`` was called, whatever training does to it afterwards; one write at a time;
+each reported once it is on disk; a failed write reported, not raised."""
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training import checkpoint, saver
+from training.saver import BackgroundSaver
+
+
+class HeldWrites:
+    """``checkpoint.save`` that waits until the test lets each write go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.go = threading.Event()
+        self.started = threading.Event()
+        real = checkpoint.save
+
+        def held(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+            self.started.set()
+            assert self.go.wait(60)
+            real(path, tensors, meta)
+
+        monkeypatch.setattr(checkpoint, "save", held)
+
+
+def test_the_file_holds_the_state_at_save_time_though_training_changes_it_during_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldWrites(monkeypatch)
+    reports: list[tuple[int, str | None]] = []
+    path = tmp_path / "run.ckpt"
+    writer = BackgroundSaver(path, lambda r, e: reports.append((r, e)))
+    weights = torch.arange(1000, dtype=torch.float32)
+    writer.save(3, {"w": weights}, {"round": 4})
+    assert held.started.wait(60)
+    weights.mul_(-1)  # the next round's inner steps, while the write is under way
+    assert reports == [] and not path.exists()  # not reported before it is on disk
+    held.go.set()
+    writer.wait()
+    assert reports == [(3, None)]
+    tensors, meta = checkpoint.load(path)
+    assert torch.equal(tensors["w"], torch.arange(1000, dtype=torch.float32)) and meta == {"round": 4}
+
+
+def test_one_write_at_a_time_reported_in_order_and_buffers_follow_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldWrites(monkeypatch)
+    reports: list[tuple[int, str | None]] = []
+    path = tmp_path / "run.ckpt"
+    writer = BackgroundSaver(path, lambda r, e: reports.append((r, e)))
+    writer.save(0, {"a": torch.zeros(4), "lost": torch.ones(2)}, {"round": 1})
+    assert held.started.wait(60)
+    second = threading.Thread(target=writer.save, args=(1, {"a": torch.ones(4)}, {"round": 2}))
+    second.start()
+    second.join(0.2)  # a bounded look, not a wait for each other: it must still be waiting
+    assert second.is_alive() and reports == []
+    held.go.set()
+    second.join(60)
+    writer.close()
+    assert reports == [(0, None), (1, None)]
+    tensors, meta = checkpoint.load(path)
+    assert sorted(tensors) == ["a"] and bool(tensors["a"].eq(1).all()) and meta == {"round": 2}
+
+
+def test_a_failed_write_is_reported_and_the_old_file_stays(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    checkpoint.save(path, {"w": torch.zeros(3)}, {"round": 1})
+    (tmp_path / "run.ckpt.tmp").symlink_to("/dev/full")
+    reports: list[tuple[int, str | None]] = []
+    writer = BackgroundSaver(path, lambda r, e: reports.append((r, e)))
+    writer.save(1, {"w": torch.ones(3)}, {"round": 2})
+    writer.close()
+    assert len(reports) == 1 and reports[0][0] == 1 and "space" in str(reports[0][1]).lower()
+    assert checkpoint.load(path)[1] == {"round": 1}
+    assert saver.write(path, {"w": torch.tensor([float("nan")])}, {"round": 3}) is not None  # refused, not raised
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_state_is_copied_before_training_changes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = HeldWrites(monkeypatch)
+    path = tmp_path / "run.ckpt"
+    writer = BackgroundSaver(path, lambda r, e: None)
+    weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    writer.save(0, {"w": weights}, {"round": 1})
+    weights.mul_(-1)  # queued after the copy on the same stream
+    held.go.set()
+    writer.close()
+    assert torch.equal(checkpoint.load(path)[0]["w"], torch.arange(1 << 20, dtype=torch.float32))
