@@ -68,7 +68,7 @@ from protocol.runstate.state import (
     sign_lease,
     sign_member,
 )
-from training import checkpoint, ipc, settings
+from training import checkpoint, encodings, ipc, settings
 from training import corpus as text_corpus
 from training import data as token_data
 from training.models import GPT, GPTConfig
@@ -1441,8 +1441,7 @@ def _targets() -> list[Target]:
             tokens=MULTIADDR_TOKENS,
             ours=False,
         ),
-        _payload_target("none"),
-        _payload_target("int8"),
+        *(_payload_target(name) for name in encodings.NAMES),
     ]
 
 

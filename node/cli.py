@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DEVICE",
         help="where every trainer trains: auto (default: a GPU if there is one), cpu, cuda or cuda:N (they share it)",
     )
+    sim.add_argument(
+        "--link-mbps",
+        type=float,
+        default=0.0,
+        metavar="MBIT",
+        help="cap every node's tensor uploads at MBIT Mbit/s, as a home uplink would (0: none, the default)",
+    )
     sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     sim.add_argument(
@@ -179,6 +186,7 @@ def _command(args: argparse.Namespace) -> int:
                 topology=args.topology,
                 symmetric_nats=args.symmetric_nats,
                 device=args.device,
+                link_mbps=args.link_mbps,
             )
             return simulate(options)
     raise AssertionError(args.command)

@@ -22,6 +22,7 @@ from node.algorithms import Algorithm, Context, TrainingMetrics
 from node.config import TrainingConfig
 from protocol.net.host import Host
 from protocol.net.peers import PeerTable
+from protocol.net.traffic import TRAFFIC
 from protocol.ratelimit import RateLimit
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, RunState
@@ -243,6 +244,9 @@ class TrainingService:
             "session_errors": self.algorithm.supervisor.session_errors,
             "payloads_refused": m.payloads_refused,
             "checkpoint_error": m.checkpoint_error,
+            # Every byte of the node on TCP so far, payloads and all the rest (protocol/net/traffic.py).
+            "wire_bytes_sent": TRAFFIC.sent,
+            "wire_bytes_received": TRAFFIC.received,
             **self.algorithm.status(),
         }
 

@@ -13,6 +13,7 @@ from protocol.net import data_channel, exchange
 from protocol.net.data_channel import DataChannel
 from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.net.host import Host, open_host, parse_dial_addr
+from protocol.net.traffic import TRAFFIC
 
 pytestmark = pytest.mark.integration
 LIMIT = 1 << 20
@@ -62,6 +63,21 @@ async def test_round_trip_delivers_every_byte_and_spec(direct: bool) -> None:
         assert got.round == 3 and got.specs == sent.specs and bytes(got.data) == bytes(sent.data)
         views = got.views()
         assert len(views["w"]) == 64 * 32 * 4 and len(views["b"]) == 64 and len(views["e"]) == 0
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_every_byte_on_the_wire_is_counted(direct: bool) -> None:
+    """protocol/net/traffic.py: a payload sent over a libp2p stream (encrypted and framed:
+    more bytes than the payload) or over the data channel (the payload and its token) shows
+    in the process's counters, sent and received (both hosts are in this process)."""
+    async with pair(direct=direct) as (sender, target, _receiver, received):
+        sent = payload()
+        before = (TRAFFIC.sent, TRAFFIC.received)
+        await exchange.send_tensors(sender, target.peer_id, sent, timeout_s=10)
+        assert len(received) == 1
+        grew = (TRAFFIC.sent - before[0], TRAFFIC.received - before[1])
+        assert min(grew) >= len(sent.data) + (data_channel.TOKEN_NBYTES if direct else 0)
+        assert max(grew) <= len(sent.data) + 64 * 1024  # plus headers, acks and framing: not twice
 
 
 async def raw_send(sender: Host, target: Host, header: dict[str, object], body: bytes) -> dict[str, object]:

@@ -118,3 +118,15 @@ def test_simulate_hands_every_setting_to_the_run_creator() -> None:
     assert options.settings.zo.eps == 0.002 and options.settings.inner.batch_size == 4
     node_args = cli.build_parser().parse_args(["node", *options.run_flags()])
     assert launch.node_config(node_args).run.settings == options.settings
+
+
+def test_simulate_caps_every_trainers_uploads_with_link_mbps() -> None:
+    args = cli.build_parser().parse_args(["simulate", "--link-mbps", "100"])
+    options = SimulationOptions(settings=cli._simulated_settings(args), link_mbps=args.link_mbps)
+    node_args = cli.build_parser().parse_args(["node", *options.run_flags(), *options.training_flags(0)])
+    assert launch.node_config(node_args).network.upload_limit_mbps == 100.0
+    uncapped = SimulationOptions(settings=cli._simulated_settings(args))
+    assert "--upload-limit-mbps" not in uncapped.training_flags(0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--link-mbps"):
+            SimulationOptions(link_mbps=bad)

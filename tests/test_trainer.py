@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from training import corpus, data
+from training import corpus, data, encodings
 from training.models import GPT, GPTConfig
 from training.settings import InnerConfig, OuterConfig
 from training.trainer import PayloadRejected, Trainer
@@ -34,7 +34,7 @@ def test_local_training_lowers_validation_loss() -> None:
     assert t.val_loss() < before - 1.0
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
+@pytest.mark.parametrize("compression", encodings.NAMES)
 def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite(compression: str) -> None:
     a, b = trainer(0, compression=compression), trainer(1, compression=compression)
     before = a.val_loss()
@@ -136,7 +136,7 @@ def test_a_compiled_model_trains_like_the_eager_one() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-@pytest.mark.parametrize("compression", ["none", "int8"])
+@pytest.mark.parametrize("compression", encodings.NAMES)
 def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compression: str) -> None:
     def on_cuda(node_index: int) -> Trainer:
         torch.manual_seed(0)

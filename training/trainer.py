@@ -86,6 +86,13 @@ class Trainer:
         self.payload_nbytes = self.encoding.nbytes(self._numels)
         """Bytes of a payload on the wire."""
         self._sent: PeerTensors | None = None
+        self._sent_flat: torch.Tensor | None = None
+        """``_sent`` as one flat tensor: what a decoder fills in from (``Encoding.decode``)."""
+        self._wire: torch.Tensor | None = None
+        """This round's payload, once made."""
+        self.codec_state: dict[str, Any] = {}
+        """The encoding's own state between rounds (sparseloco: its error feedback); its
+        tensors go into the checkpoint as ``encoding.<name>``."""
         self.bounds = bounds or PartnerBounds()
         self.last_rejection: str | None = None
         """Why the last partner payload was refused (None if it was used, or there was none)."""
@@ -110,8 +117,11 @@ class Trainer:
             "trainable_params": sum(p.numel() for p in self._trainable),
             "total_params": sum(p.numel() for p in self.model.parameters()),
             "grad_bytes": sum(p.grad.nbytes for p in self.model.parameters() if p.grad is not None),
-            "optimizer_state_bytes": sum(t.nbytes for t in (*adam, *self.momentum, *self.phi)),
+            "optimizer_state_bytes": sum(t.nbytes for t in (*adam, *self.momentum, *self.phi, *self._codec_tensors())),
         }
+
+    def _codec_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.codec_state.values() if isinstance(t, torch.Tensor)]
 
     def tokens_per_round(self) -> int:
         """Tokens the inner steps of one round train on (a batch's inputs, H times)."""
@@ -169,10 +179,14 @@ class Trainer:
     @torch.no_grad()
     def outer_payload(self) -> torch.Tensor:
         """φ then Δ as wire bytes (uint8, ``payload_nbytes``): what a partner needs from us."""
+        if self._wire is not None:  # once a round: an encoding's state (error feedback) moves on each call
+            return self._wire
         delta = outer_gradient(self.phi, self.theta())
         flat = torch.cat([t.reshape(-1) for t in (*self.phi, *delta)]).to(torch.float32)
-        wire, seen = self.encoding.encode(flat, self._numels)
+        wire, seen = self.encoding.encode(flat, self._numels, round_index=self.round, state=self.codec_state)
         self._sent = None if seen is None else self._split(seen)
+        self._sent_flat = seen
+        self._wire = wire
         return wire
 
     def parse_payload(self, wire: torch.Tensor) -> PeerTensors:
@@ -182,15 +196,20 @@ class Trainer:
                 f"payload is {wire.dtype} × {tuple(wire.shape)}, expected uint8 × ({self.payload_nbytes},)"
             )
         wire = wire.to(self.device, copy=True)  # aligned, and the caller's buffer is never kept
+        fill = self._sent_flat
+        if fill is None:  # our own exactly, when nothing was sent yet (and for lossless encodings)
+            fill = torch.cat([t.reshape(-1) for t in (*self.phi, *outer_gradient(self.phi, self.theta()))])
         try:
-            flat = self.encoding.decode(wire, self._numels)
+            flat = self.encoding.decode(wire, self._numels, fill=fill.to(torch.float32))
         except ValueError as exc:
             raise PayloadRejected(str(exc)) from exc
         if not bool(torch.isfinite(flat).all()):
             raise PayloadRejected("payload holds NaN or Inf")
         peer = self._split(flat)
         try:
-            check_partner(self.phi, outer_gradient(self.phi, self.theta()), peer, self.bounds)
+            # Measured against our Δ as we sent it: a partner's is the same kind of thing
+            # (sparseloco: a sparse Δ carrying its error feedback, int8: rounded).
+            check_partner(self.phi, self.own_delta(), peer, self.bounds)
         except PartnerRefused as exc:
             raise PayloadRejected(str(exc), drifted=exc.drifted) from exc
         return peer
@@ -248,9 +267,13 @@ class Trainer:
         self._end_round()
 
     def _end_round(self) -> None:
+        if self._wire is None:  # no payload this round: the outer step took our whole Δ
+            self.codec_state.pop("residual", None)
         self._load_phi_into_theta()
         self.round += 1
         self._sent = None
+        self._sent_flat = None
+        self._wire = None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything a restart needs, taken between rounds (θ = φ then): φ, m, AdamW's moments."""
@@ -262,6 +285,9 @@ class Trainer:
             if adam:
                 for key in ("step", "exp_avg", "exp_avg_sq"):
                     tensors[f"adam.{key}.{k}"] = torch.as_tensor(adam[key], dtype=torch.float32)
+        for name, value in self.codec_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"encoding.{name}"] = value
         return tensors, {"round": self.round, "step": self.step}
 
     @torch.no_grad()
@@ -299,6 +325,15 @@ class Trainer:
             }
         self.round, self.step = round_index, step
         self._sent = None
+        self._sent_flat = None
+        self._wire = None
+        # The encoding's state, where it fits (a Δ's worth each; else it starts afresh).
+        fits = (self.payload_numel // 2,)
+        self.codec_state = {
+            name.removeprefix("encoding."): value.to(self.device, copy=True)
+            for name, value in tensors.items()
+            if name.startswith("encoding.") and value.dtype == torch.float32 and value.shape == fits
+        }
         self._load_phi_into_theta()
 
     def _load_phi_into_theta(self) -> None:
@@ -306,5 +341,12 @@ class Trainer:
         # before anything is saved, and its successor resumes from the last good checkpoint.
         if not all(math.isfinite(float(p.abs().max())) for p in self.phi if p.numel()):
             raise FloatingPointError("outer step produced non-finite weights")
-        for param, phi in zip(self._params, self.phi, strict=True):
-            param.copy_(phi)
+        residual = self.codec_state.get("residual")
+        if residual is None:
+            for param, phi in zip(self._params, self.phi, strict=True):
+                param.copy_(phi)
+            return
+        # What the payload left out of Δ stays in θ (sparseloco): θ ← φ − (Δ − sent).
+        lefts = torch.split(residual, self._numels[: len(self.phi)])
+        for param, phi, left in zip(self._params, self.phi, lefts, strict=True):
+            param.copy_(phi - left.view_as(phi))

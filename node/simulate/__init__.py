@@ -16,7 +16,8 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          "wall_s": float, "converged": bool, "num_nodes": int,
          "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
-         and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received",
+         and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received"
+         (payloads), "wire_bytes_sent", "wire_bytes_received" (every byte on TCP),
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s",
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
          "payloads_refused" (partner payloads refused: out of bounds, non-finite),
@@ -94,6 +95,8 @@ class SimulationOptions:
     """With --topology nat: this many NATs (the last ones) randomise ports."""
     device: str = "auto"
     """Where every trainer's worker trains (all on one GPU with cuda: they share it)."""
+    link_mbps: float = 0.0
+    """Every node's upload cap (``network.upload_limit_mbps``), as a home link's; 0: none."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -104,6 +107,8 @@ class SimulationOptions:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
+        if not 0 <= self.link_mbps < 1e9:  # also refuses NaN
+            raise ConfigError(f"--link-mbps: must be >= 0 (0: no cap), got {self.link_mbps:g}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
@@ -121,7 +126,8 @@ class SimulationOptions:
         """A node's own part: its data shard (the rest comes from the manifest)."""
         if not self.settings.trains:
             return []
-        return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device]
+        capped = ["--upload-limit-mbps", f"{self.link_mbps:g}"] if self.link_mbps else []
+        return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device, *capped]
 
 
 @dataclass(slots=True)
@@ -425,6 +431,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
+    *("wire_bytes_sent", "wire_bytes_received"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "train_wall_s", "utilization"),
     *("payloads_refused", "checkpoint_error"),
 )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from protocol.errors import BadMessage, ProtocolError
+from protocol.net.traffic import TRAFFIC
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class DataChannel:
                     chunk = await stream.receive_some(TOKEN_NBYTES - len(token))
                     if not chunk:
                         return
+                    TRAFFIC.received += len(chunk)
                     token += chunk
             pending = self._pending.pop(token, None)  # one use only
             if pending is None:
@@ -145,6 +147,7 @@ async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
             if nbytes == 0:
                 raise ProtocolError(f"connection closed {len(buffer) - offset} bytes early")
             offset += nbytes
+            TRAFFIC.received += nbytes
         if await sock.recv(1):
             raise ProtocolError("more bytes than announced")
     except OSError as exc:
@@ -160,9 +163,11 @@ async def send(ip: str, port: int, token: bytes, data: memoryview, limit: RateLi
     async with stream:
         try:
             await stream.send_all(token)
+            TRAFFIC.sent += len(token)
             for offset in range(0, len(data), CHUNK_NBYTES):
                 await limit.take(min(CHUNK_NBYTES, len(data) - offset))
                 await stream.send_all(data[offset : offset + CHUNK_NBYTES])
+                TRAFFIC.sent += min(CHUNK_NBYTES, len(data) - offset)
             await stream.send_eof()
         except (trio.BrokenResourceError, OSError) as exc:
             raise ProtocolError(f"data channel to {ip}:{port} broke: {exc}") from exc

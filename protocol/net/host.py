@@ -61,9 +61,11 @@ from protocol.net.hostlike import serve_guarded
 from protocol.net.libp2p_fixes import guard_host
 from protocol.net.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
 from protocol.net.peers import PeerTable
+from protocol.net.traffic import count_libp2p
 from protocol.ratelimit import ChainedLimit, RateLimit
 
 logger = logging.getLogger(__name__)
+count_libp2p()  # every byte of every libp2p connection (protocol/net/traffic.py)
 
 # Before any Pubsub exists: 32-deep subscription queues and per-peer RPC queues overflow
 # silently under bursts; a 1 MiB RPC cap is below what we may push.

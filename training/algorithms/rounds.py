@@ -92,7 +92,8 @@ def ask_start_from(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) 
 
 
 def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
-    """A late joiner: a peer's saved state (φ, outer momentum, AdamW's moments, its round;
+    """A late joiner: a peer's saved state (φ, outer momentum, AdamW's moments, its round,
+    not its encoding's state;
     the run's last round if the run is over: then there is nothing left to train). Refused
     (and training starts at round 0) unless it fits this model and is finite; its
     fingerprint is the peer's (another shard), so it is not compared."""
@@ -102,7 +103,8 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
         tensors, meta = checkpoint.load(Path(config.start_from))
         if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.rounds):
             raise checkpoint.CheckpointError(f"round {meta.get('round')!r} is not one of this run's")
-        trainer.restore(tensors, meta)
+        # Not the peer's encoding state: its error feedback is what the peer has yet to send.
+        trainer.restore({k: v for k, v in tensors.items() if not k.startswith("encoding.")}, meta)
     except checkpoint.CheckpointError as exc:
         logger.warning("a peer's state %s is unusable (%s); starting from round 0", config.start_from, exc)
         return

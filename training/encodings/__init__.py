@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 MODULES = {
     "none": "training.encodings.float32",
     "int8": "training.encodings.int8",
+    "sparseloco": "training.encodings.sparseloco",
 }
 NAMES = tuple(MODULES)
 

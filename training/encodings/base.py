@@ -1,6 +1,6 @@
 """What an outer payload encoding offers (training/trainer.py uses nothing else)."""
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -15,12 +15,18 @@ class Encoding(Protocol):
         """Wire bytes of a payload of float32 pieces of these sizes."""
         ...
 
-    def encode(self, flat: torch.Tensor, numels: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode(
+        self, flat: torch.Tensor, numels: list[int], *, round_index: int = 0, state: dict[str, Any] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float32 (Σ numels,) → (uint8 wire bytes of ``nbytes``, what the partner will decode:
-        None when it is ``flat`` exactly)."""
+        None when it is ``flat`` exactly). ``state``: the sender's own, kept between rounds
+        (and in its checkpoint: its tensors), for encodings that remember (error feedback):
+        called once a round (the trainer keeps the round's payload)."""
         ...
 
-    def decode(self, wire: torch.Tensor, numels: list[int]) -> torch.Tensor:
+    def decode(self, wire: torch.Tensor, numels: list[int], *, fill: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 wire bytes (``nbytes`` long, checked by the caller) → float32 (Σ numels,);
-        ``ValueError`` if the pieces do not fit together. May hold NaN or Inf: the caller checks."""
+        ``ValueError`` if the pieces do not fit together. May hold NaN or Inf: the caller checks.
+        ``fill``: our own payload as we sent it (``encode``'s second result, or ours exactly),
+        for what an encoding leaves out of a payload (sparseloco: most of φ)."""
         ...

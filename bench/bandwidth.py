@@ -1,0 +1,98 @@
+"""Payload encodings against float32 on the same run: bytes, loss and time, as ratios in one run.
+
+Runs ``swarmtrain simulate`` (real daemons and workers, loopback) once per encoding and
+seed, the same run settings each time, every node's uploads capped at ``--link-mbps`` (a
+home link; 0: no cap). Printed: one JSON object with, per encoding, the mean over seeds
+of the nodes' mean final validation loss, payload bytes sent per node per round, and the
+wall time of training; and for each encoding its ratios to ``none`` measured in this run:
+
+    bytes_ratio    payload bytes sent per node per round / none's
+    wire_bytes_ratio  every byte sent on TCP (protocol/net/traffic.py), per node per round,
+                   / none's (issue 16: ≤ 0.03)
+    loss_ratio     final loss / none's (≤ 1.02)
+    wall_ratio     training wall time / none's
+
+    python bench/bandwidth.py                           # tiny, 30 rounds, 100 Mbit/s
+    python bench/bandwidth.py --quick                   # micro, 6 rounds: a CI-sized check
+    python bench/bandwidth.py --encodings none,sparseloco --seeds 1,2,3 --link-mbps 0
+
+Not yet here: streaming rounds (not built).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def simulate(encoding: str, seed: int, args: argparse.Namespace, report: Path) -> dict[str, Any]:
+    command = [
+        *[sys.executable, "-m", "node", "simulate", "--nodes", str(args.nodes), "--model", args.model],
+        *["--rounds", str(args.rounds), "--compression", encoding, "--set", f"seed={seed}"],
+        *["--link-mbps", f"{args.link_mbps:g}", "--timeout-s", str(args.timeout_s), "--report", str(report)],
+    ]
+    print(" ".join(command[2:]), file=sys.stderr, flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s + 120, check=False)
+    if result.returncode != 0 or not report.exists():
+        raise RuntimeError(f"simulate exited {result.returncode}: {result.stdout[-1500:]}{result.stderr[-1500:]}")
+    data: dict[str, Any] = json.loads(report.read_text())
+    nodes = [n for n in data["nodes"] if n.get("final_loss") is not None]
+    return {
+        "final_loss": statistics.mean(n["final_loss"] for n in nodes),
+        "bytes_per_round": statistics.mean(n["bytes_sent"] / max(1, n["rounds"]) for n in nodes),
+        "wire_bytes_per_round": statistics.mean(n["wire_bytes_sent"] / max(1, n["rounds"]) for n in nodes),
+        "train_wall_s": statistics.mean(n["train_wall_s"] for n in nodes),
+        "utilization": statistics.median(n["utilization"] for n in nodes),
+        "rounds_with_partner": [n["rounds_with_partner"] for n in nodes],
+        "payloads_refused": [n.get("payloads_refused") for n in nodes],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encodings", default="none,int8,sparseloco")
+    parser.add_argument("--seeds", default="1")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--link-mbps", type=float, default=100.0)
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--quick", action="store_true", help="micro model, 6 rounds (overrides --model, --rounds)")
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.rounds = "micro", 6
+    encodings = args.encodings.split(",")
+    if "none" not in encodings:
+        encodings.insert(0, "none")  # every ratio is against it, measured in this run
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-bandwidth-") as tmp:
+        for seed in seeds:
+            for encoding in encodings:
+                path = Path(tmp) / f"{encoding}-{seed}.json"
+                runs.setdefault(encoding, []).append(simulate(encoding, seed, args, path))
+
+    def mean(encoding: str, key: str) -> float:
+        return statistics.mean(r[key] for r in runs[encoding])
+
+    out: dict[str, Any] = {"bench": "bandwidth", **vars(args), "runs": runs}
+    for encoding in encodings:
+        out[encoding] = {
+            key: mean(encoding, key)
+            for key in ("final_loss", "bytes_per_round", "wire_bytes_per_round", "train_wall_s", "utilization")
+        }
+        out[encoding].update(
+            bytes_ratio=mean(encoding, "bytes_per_round") / mean("none", "bytes_per_round"),
+            wire_bytes_ratio=mean(encoding, "wire_bytes_per_round") / mean("none", "wire_bytes_per_round"),
+            loss_ratio=mean(encoding, "final_loss") / mean("none", "final_loss"),
+            wall_ratio=mean(encoding, "train_wall_s") / mean("none", "train_wall_s"),
+        )
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The sparseloco payload (training/encodings/sparseloco.py): its bytes, its residual kept in
+the weights, φ one fragment a round, and a stranger's payload refused when it lies."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_trainer import trainer
+from training import checkpoint
+from training.algorithms.rounds import start_from_peer
+from training.encodings import encoding
+from training.encodings.sparseloco import CHUNK, FRAGMENTS, TOP_K, pack_bits, unpack_bits
+from training.models import GPT, preset
+from training.settings import RunSettings
+from training.trainer import PayloadRejected, Trainer
+from training.worker_config import WorkerConfig
+
+SPARSE = encoding("sparseloco")
+
+
+def test_bits_pack_and_unpack() -> None:
+    values = torch.randint(0, 4, (1001,), generator=torch.Generator().manual_seed(0))
+    packed = pack_bits(values, 2)
+    assert packed.numel() == -(-1001 * 2 // 8)
+    assert torch.equal(unpack_bits(packed, 1001, 2), values)
+    assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [0b00111001]  # LSB first
+
+
+def test_a_tiny_payload_is_under_3_percent_of_float32s() -> None:
+    numels = [p.numel() for p in GPT(preset("tiny")).parameters()] * 2
+    ratio = SPARSE.nbytes(numels) / encoding("none").nbytes(numels)
+    assert ratio <= 0.03, ratio
+
+
+def test_what_is_left_out_of_delta_stays_in_the_weights() -> None:
+    """sent + residual = Δ (each to float32 rounding: one subtraction), the sent part is at
+    most TOP_K of each chunk, and after the outer step θ = φ − residual."""
+    t = trainer(0, compression="sparseloco")
+    t.inner_steps()
+    delta = torch.cat([(p - q).reshape(-1) for p, q in zip(t.phi, t.theta(), strict=True)])
+    t.outer_payload()
+    sent = torch.cat([d.reshape(-1) for d in t.own_delta()])
+    residual = t.codec_state["residual"]
+    ulp = 2.0**-23 * float(delta.abs().max())
+    assert float((sent + residual - delta).abs().max()) <= ulp
+    assert 0 < int((sent != 0).sum()) <= TOP_K * sum(-(-d.numel() // CHUNK) for d in t.phi)
+    t.apply_noloco(None)
+    after = torch.cat([(p - q).reshape(-1) for p, q in zip(t.phi, t.theta(), strict=True)])
+    assert float((after - residual).abs().max()) <= 2.0**-23 * float(
+        torch.cat([p.reshape(-1) for p in t.phi]).abs().max()
+    )
+
+
+def test_phi_travels_one_fragment_a_round_and_the_rest_is_ours() -> None:
+    a, b = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
+    half = a.payload_numel // 2
+    length = -(-half // FRAGMENTS)
+    for round_index in range(FRAGMENTS + 1):
+        a.inner_steps()
+        b.inner_steps()
+        a_wire, b_wire = a.outer_payload(), b.outer_payload()
+        assert a_wire.numel() == a.payload_nbytes
+        seen = torch.cat([p.reshape(-1) for p in b.parse_payload(a_wire).phi])
+        own = torch.cat([p.reshape(-1) for p in b._sent.phi])  # type: ignore[union-attr]
+        fragment = round_index % FRAGMENTS
+        outside = torch.ones(half, dtype=torch.bool)
+        outside[fragment * length : (fragment + 1) * length] = False
+        assert torch.equal(seen[outside], own[outside])  # b fills in its own φ as it sent it
+        a_phi = torch.cat([p.reshape(-1) for p in a.phi])
+        inside = ~outside
+        assert float((seen[inside] - a_phi[inside]).abs().max()) <= float(a_phi[inside].abs().max()) / 127
+        assert a.apply_noloco(b_wire) and b.apply_noloco(a_wire)
+    # Always paired: the same slow weights on both sides, as with float32.
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
+
+
+def _honest_pair() -> tuple[Trainer, torch.Tensor]:
+    a, b = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
+    a.inner_steps()
+    b.inner_steps()
+    a.outer_payload()
+    return a, b.outer_payload().clone()
+
+
+def test_a_bit_set_past_the_last_value_is_refused() -> None:
+    numels = [5, 5]  # φ of 5 values, Δ of 5: three spare bits in the bitmap's byte
+    flat = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 0.5, -0.25, 0.125, 2.0, -1.0])
+    wire, seen = SPARSE.encode(flat, numels)
+    assert seen is not None and torch.equal(SPARSE.decode(wire, numels, fill=seen), seen)
+    bitmap_at = 4 + 1 + 4  # fragment, L = 1 code, one scale
+    assert wire[bitmap_at] == 0b11111
+    wire[bitmap_at] |= 0b100000
+    with pytest.raises(ValueError, match="past the last"):
+        SPARSE.decode(wire, numels, fill=seen)
+
+
+def _chunk_kept(t: Trainer) -> list[int]:
+    sizes = []
+    for n in t._numels[len(t._numels) // 2 :]:
+        sizes += [CHUNK] * (n // CHUNK) + ([n % CHUNK] if n % CHUNK else [])
+    return [min(TOP_K, c) for c in sizes]
+
+
+def _offsets(t: Trainer) -> tuple[int, int, int, int]:
+    """Byte offsets of the sections after φ: the bitmap, codes, magnitudes, the end."""
+    half = t.payload_numel // 2
+    length = -(-half // FRAGMENTS)
+    chunks = _chunk_kept(t)
+    bitmap = 4 + length + 4 * -(-length // 256)
+    codes = bitmap + -(-half // 8)
+    magnitudes = codes + -(-2 * sum(chunks) // 8)
+    return bitmap, codes, magnitudes, magnitudes + 8 * len(chunks)
+
+
+@pytest.mark.parametrize("damage", ["fragment", "one_more", "moved", "short", "inflated", "nan"])
+def test_a_lying_payload_is_refused(damage: str) -> None:
+    a, wire = _honest_pair()
+    a.parse_payload(wire)  # the honest one passes
+    bitmap_at, _, magnitudes_at, end = _offsets(a)
+    assert end == a.payload_nbytes
+    if damage == "fragment":
+        wire[:4] = torch.tensor([FRAGMENTS], dtype=torch.int32).view(torch.uint8)
+    elif damage in ("one_more", "moved"):
+        # The first Δ piece (the token embedding) is whole chunks: chunk 0 keeps TOP_K of CHUNK.
+        half = a.payload_numel // 2
+        bits = torch.from_numpy(np.unpackbits(wire[bitmap_at:].numpy(), count=half, bitorder="little").copy())
+        assert int(bits[:CHUNK].sum()) == TOP_K < CHUNK
+        bits[int(torch.nonzero(bits[:CHUNK] == 0)[0])] = 1  # chunk 0 sends one more
+        if damage == "moved":  # ... and chunk 1 one fewer: the total is right, the chunks not
+            bits[CHUNK + int(torch.nonzero(bits[CHUNK : 2 * CHUNK])[0])] = 0
+        packed = torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
+        wire[bitmap_at : bitmap_at + len(packed)] = packed
+    elif damage == "short":
+        wire = wire[:-1]
+    elif damage == "inflated":
+        magnitudes = wire[magnitudes_at:end].clone().view(torch.float32)
+        wire[magnitudes_at:end] = (magnitudes * 1e6).view(torch.uint8)
+    else:
+        wire[magnitudes_at : magnitudes_at + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+    with pytest.raises(PayloadRejected):
+        a.parse_payload(wire)
+
+
+def test_the_residual_is_in_our_checkpoint_but_not_in_a_joiners_start(tmp_path: Path) -> None:
+    a = trainer(0, compression="sparseloco")
+    a.inner_steps()
+    a.outer_payload()
+    a.apply_noloco(None)
+    assert bool(a.codec_state["residual"].any())
+    tensors, meta = a.state()
+    assert torch.equal(tensors["encoding.residual"], a.codec_state["residual"])
+    restarted = trainer(0, compression="sparseloco")
+    restarted.restore(tensors, meta)
+    assert all(torch.equal(x, y) for x, y in zip(restarted.theta(), a.theta(), strict=True))
+    # A joiner starts from a peer's state: its φ, not the residual the peer has yet to send.
+    path = tmp_path / "peer.ckpt"
+    checkpoint.save(path, tensors, meta)
+    run = RunSettings(rounds=10, compression="sparseloco")
+    joiner = trainer(1, compression="sparseloco")
+    start_from_peer(WorkerConfig(run=run, start_from=str(path)), joiner)
+    assert joiner.round == a.round and "residual" not in joiner.codec_state
+    assert all(torch.equal(x, y) for x, y in zip(joiner.theta(), a.phi, strict=True))
