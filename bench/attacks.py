@@ -3,6 +3,8 @@ bench/adversarial.py. Each function turns one in-process daemon (node.daemon.Dae
 run into an attacker; nothing here ships in the daemon itself.
 
     await poison_payloads(d, scale)   NoLoCo: its payloads carry Δ × scale (φ then Δ, float32)
+    await inflate_sparse(d, model, k) NoLoCo with sparseloco payloads: well formed, every chunk's
+                                      magnitudes × k (model: the run's preset, for the layout)
     await never_send(d)               NoLoCo: it pairs (asks, accepts) and never sends a payload
     await poison_experts(d, scale)    SPES: the versions of its experts it publishes carry values × scale
     await fight_for_leases(d)         SPES: it claims one expert more than the rule gives it, then
@@ -45,6 +47,24 @@ async def poison_payloads(daemon: Daemon, scale: float) -> None:
         await send(partner, replace(current, outbox=memoryview(data.tobytes())), sent)
 
     pairing._send = poisoned  # type: ignore[method-assign]
+
+
+async def inflate_sparse(daemon: Daemon, model: str, factor: float) -> None:
+    from training.encodings.sparseloco import magnitudes_nbytes  # torch: only where this attack runs
+    from training.models import GPT, preset
+
+    numels = [p.numel() for p in GPT(preset(model)).parameters()] * 2
+    tail = magnitudes_nbytes(numels)
+    pairing = await pairing_of(daemon)
+    send = pairing._send
+
+    async def inflated(partner: str, current: Any, sent: trio.Event) -> None:
+        data = bytearray(current.outbox)
+        magnitudes = np.frombuffer(bytes(data[-tail:]), dtype=np.float32) * np.float32(factor)
+        data[-tail:] = magnitudes.tobytes()
+        await send(partner, replace(current, outbox=memoryview(bytes(data))), sent)
+
+    pairing._send = inflated  # type: ignore[method-assign]
 
 
 async def never_send(daemon: Daemon) -> None:

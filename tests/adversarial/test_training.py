@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.attacks import fight_for_leases, never_send, poison_payloads
+from bench.attacks import fight_for_leases, inflate_sparse, never_send, poison_payloads
 from node.daemon import Daemon
 from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
 from tests.conftest import open_swarm
@@ -138,3 +138,20 @@ async def test_a_spes_member_fighting_for_experts_it_lost_is_banned_by_its_victi
             assert status is not None and hostile.peer_id not in {owner for owner, _ in status["leases"].values()}
         fought = {r.args[0] for r in caplog.records if "expert lease war" in r.getMessage() and r.args}
         assert fought == {hostile.peer_id}  # no honest node earned a point for it
+
+
+async def test_an_inflated_sparseloco_payload_is_refused_banned_and_training_goes_on(short_tmp: Path) -> None:
+    """Issue 16: compressed payloads are bounded like float32 ones. A partner whose payloads
+    are well formed but carry every chunk's magnitudes × 1e6 is refused by the bounds (not
+    by the decoder), banned, and the honest nodes train on."""
+    training = {**TRAINING, "run__settings__compression": "sparseloco"}
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 4, training, run_name="adv")
+        *honest, hostile = nodes
+        await inflate_sparse(hostile, "micro", 1e6)
+        await until_finished(honest)
+        check_honest(honest, hostile)
+        refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
+        assert sum(refused.values()) >= 1
+        for node in honest:
+            assert node.peers.is_banned(hostile.peer_id) == (refused[node.peer_id] > 0)

@@ -88,6 +88,11 @@ def _layout(numels: list[int]) -> tuple[int, int, list[int], int]:
     return length, length + 4 * -(-length // BLOCK), chunks, kept
 
 
+def magnitudes_nbytes(numels: list[int]) -> int:
+    """The last section's bytes (the chunks' magnitudes): where bench/attacks.py inflates."""
+    return 8 * len(_chunks(numels))
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative ints < 2**bits → ⌈len·bits / 8⌉ bytes, LSB first."""
     shifts = torch.arange(bits, dtype=torch.int64)
