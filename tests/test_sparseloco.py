@@ -13,7 +13,7 @@ from training.algorithms.rounds import start_from_peer
 from training.encodings import encoding
 from training.encodings.sparseloco import CHUNK, FRAGMENTS, TOP_K, pack_bits, unpack_bits
 from training.models import GPT, preset
-from training.settings import RunSettings
+from training.settings import OuterConfig, RunSettings
 from training.trainer import PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
@@ -36,9 +36,10 @@ def test_a_tiny_payload_is_under_3_percent_of_float32s() -> None:
 
 def test_what_is_left_out_of_delta_stays_in_the_weights() -> None:
     """sent + residual = Δ (each to float32 rounding: one subtraction), the sent part is at
-    most TOP_K of each chunk, and after the outer step θ = φ − residual."""
-    t = trainer(0, compression="sparseloco")
+    most TOP_K of each chunk, and after an outer step with a partner θ = φ − residual."""
+    t, partner = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
     t.inner_steps()
+    partner.inner_steps()
     delta = torch.cat([(p - q).reshape(-1) for p, q in zip(t.phi, t.theta(), strict=True)])
     t.outer_payload()
     sent = torch.cat([d.reshape(-1) for d in t.own_delta()])
@@ -46,11 +47,38 @@ def test_what_is_left_out_of_delta_stays_in_the_weights() -> None:
     ulp = 2.0**-23 * float(delta.abs().max())
     assert float((sent + residual - delta).abs().max()) <= ulp
     assert 0 < int((sent != 0).sum()) <= TOP_K * sum(-(-d.numel() // CHUNK) for d in t.phi)
-    t.apply_noloco(None)
+    assert t.apply_noloco(partner.outer_payload())
     after = torch.cat([(p - q).reshape(-1) for p, q in zip(t.phi, t.theta(), strict=True)])
-    assert float((after - residual).abs().max()) <= 2.0**-23 * float(
-        torch.cat([p.reshape(-1) for p in t.phi]).abs().max()
-    )
+    largest = float(torch.cat([p.reshape(-1) for p in t.phi]).abs().max())
+    assert float((after - residual).abs().max()) <= 2.0**-23 * largest  # θ = φ − r, one rounding
+
+
+def test_a_round_alone_steps_on_the_whole_delta_once() -> None:
+    """Alone (no partner, or a refused one), the step takes all of Δ, what the payload left
+    out included, and θ restarts from φ: with α = 0, β = 1, φ lands on the trained θ and
+    stays there while nothing trains (it overshot by 124% when the residual was kept)."""
+    t = trainer(0, compression="sparseloco")
+    t.outer = OuterConfig(alpha=0.0, beta=1.0, gamma=0.0)
+    t.inner_steps()
+    trained = [p.clone() for p in t.theta()]
+    for _ in range(4):
+        t.outer_payload()
+        assert t.apply_noloco(None) is False
+        for group in t.optimizer.param_groups:
+            group["lr"] = 0.0  # nothing trains from here: Δ is only what is still owed
+        t.inner_steps()
+    assert "residual" not in t.codec_state
+    for p, q in zip(t.phi, trained, strict=True):
+        assert float((p - q).abs().max()) <= 2.0**-22 * float(q.abs().max())
+
+
+def test_the_local_baseline_keeps_its_weights_with_a_sparse_payload() -> None:
+    t = trainer(0, compression="sparseloco")
+    t.inner_steps()
+    trained = [p.clone() for p in t.theta()]
+    t.outer_payload()  # made every round (peers may pull it), though local never averages
+    t.apply_local()
+    assert all(torch.equal(p, q) for p, q in zip(t.theta(), trained, strict=True))
 
 
 def test_phi_travels_one_fragment_a_round_and_the_rest_is_ours() -> None:
@@ -144,10 +172,11 @@ def test_a_lying_payload_is_refused(damage: str) -> None:
 
 
 def test_the_residual_is_in_our_checkpoint_but_not_in_a_joiners_start(tmp_path: Path) -> None:
-    a = trainer(0, compression="sparseloco")
+    a, partner = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
     a.inner_steps()
+    partner.inner_steps()
     a.outer_payload()
-    a.apply_noloco(None)
+    assert a.apply_noloco(partner.outer_payload())
     assert bool(a.codec_state["residual"].any())
     tensors, meta = a.state()
     assert torch.equal(tensors["encoding.residual"], a.codec_state["residual"])

@@ -18,7 +18,13 @@ atomically (training/files.py), so a crash mid-write leaves the last round's fil
 and the daemon, whose count of rounds may then be one ahead of the file, sees the
 restarted worker resume at the file's round and does that round again. ``close`` waits
 for the write in flight: a worker that exits (its run done, or told to stop) leaves its
-newest state on disk.
+newest state on disk (a worker the daemon has to kill, 10 s after asking it to stop,
+loses the write in flight: the file before it stays whole).
+
+The daemon offers the file (a hard link of it) when it reads ``saved``; a daemon that
+reads it only after the next round's write has landed offers that newer state under the
+older round: a joiner then starts one round later than the offer said (the file's own
+round is what it starts from).
 """
 
 import logging
@@ -103,7 +109,11 @@ class BackgroundSaver:
     ) -> None:
         if copied is not None:
             copied.synchronize()
-        error = write(self._path, tensors, meta)
+        try:
+            error = write(self._path, tensors, meta)
+        except Exception as exc:  # a bug of ours: said to the daemon (status), not a silent thread's end
+            logger.exception("the checkpoint of round %d could not be written", round_index)
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
         try:
             self._report(round_index, error)
         except (OSError, ValueError):  # the daemon went away (a closed pipe): the main loop sees it too

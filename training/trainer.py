@@ -229,6 +229,7 @@ class Trainer:
     def apply_local(self) -> None:
         """The "local" baseline's outer step: none (φ follows θ)."""
         self.phi = [t.clone() for t in self.theta()]
+        self.codec_state.pop("residual", None)  # φ took all of θ: nothing is left to send
         self._end_round()
 
     @torch.no_grad()
@@ -257,6 +258,10 @@ class Trainer:
             used_peer = False
             phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
         self.phi, self.momentum = phi, momentum
+        if not used_peer:
+            # Alone, the step took our whole Δ, what the payload left out included: θ
+            # restarts from φ, or the residual would be stepped on twice (sparseloco).
+            self.codec_state.pop("residual", None)
         self._end_round()
         return used_peer
 
