@@ -29,13 +29,18 @@ class HeldWrites:
         monkeypatch.setattr(checkpoint, "save", held)
 
 
+def recording(tmp_path: Path) -> tuple[BackgroundSaver, list[tuple[int, str | None]], Path]:
+    """A writer to ``tmp_path/run.ckpt`` whose reports are kept in order."""
+    reports: list[tuple[int, str | None]] = []
+    path = tmp_path / "run.ckpt"
+    return BackgroundSaver(path, lambda r, e: reports.append((r, e))), reports, path
+
+
 def test_the_file_holds_the_state_at_save_time_though_training_changes_it_during_the_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held = HeldWrites(monkeypatch)
-    reports: list[tuple[int, str | None]] = []
-    path = tmp_path / "run.ckpt"
-    writer = BackgroundSaver(path, lambda r, e: reports.append((r, e)))
+    writer, reports, path = recording(tmp_path)
     weights = torch.arange(1000, dtype=torch.float32)
     writer.save(3, {"w": weights}, {"round": 4})
     assert held.started.wait(60)
@@ -52,9 +57,7 @@ def test_one_write_at_a_time_reported_in_order_and_buffers_follow_the_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held = HeldWrites(monkeypatch)
-    reports: list[tuple[int, str | None]] = []
-    path = tmp_path / "run.ckpt"
-    writer = BackgroundSaver(path, lambda r, e: reports.append((r, e)))
+    writer, reports, path = recording(tmp_path)
     writer.save(0, {"a": torch.zeros(4), "lost": torch.ones(2)}, {"round": 1})
     assert held.started.wait(60)
     second = threading.Thread(target=writer.save, args=(1, {"a": torch.ones(4)}, {"round": 2}))

@@ -35,6 +35,15 @@ def check_honest(honest: list[Daemon], hostile: Daemon) -> None:
         assert not any(node.peers.is_banned(o.peer_id) for o in honest)
 
 
+def check_refused_and_banned(honest: list[Daemon], hostile: Daemon) -> None:
+    """Every honest node that paired with ``hostile`` refused its payload and banned it; and
+    it paired with someone (it asks every round, like any node)."""
+    refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
+    assert sum(refused.values()) >= 1
+    for node in honest:
+        assert node.peers.is_banned(hostile.peer_id) == (refused[node.peer_id] > 0)
+
+
 @pytest.mark.parametrize("scale", [-1000.0, 1e30])
 async def test_a_poisoning_partner_is_refused_banned_and_training_goes_on(short_tmp: Path, scale: float) -> None:
     async with open_swarm(short_tmp) as swarm:
@@ -43,12 +52,7 @@ async def test_a_poisoning_partner_is_refused_banned_and_training_goes_on(short_
         await poison_payloads(hostile, scale)
         await until_finished(honest)
         check_honest(honest, hostile)
-        refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
-        # Every honest node that paired with it refused its payload and banned it; and it
-        # paired with someone (it asks every round, like any node).
-        assert sum(refused.values()) >= 1
-        for node in honest:
-            assert node.peers.is_banned(hostile.peer_id) == (refused[node.peer_id] > 0)
+        check_refused_and_banned(honest, hostile)
 
 
 async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(short_tmp: Path) -> None:
@@ -151,7 +155,4 @@ async def test_an_inflated_sparseloco_payload_is_refused_banned_and_training_goe
         await inflate_sparse(hostile, "micro", 1e6)
         await until_finished(honest)
         check_honest(honest, hostile)
-        refused = {n.peer_id: n.training.metrics.payloads_refused for n in honest if n.training}
-        assert sum(refused.values()) >= 1
-        for node in honest:
-            assert node.peers.is_banned(hostile.peer_id) == (refused[node.peer_id] > 0)
+        check_refused_and_banned(honest, hostile)
