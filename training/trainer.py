@@ -281,7 +281,8 @@ class Trainer:
         self._wire = None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Everything a restart needs, taken between rounds (θ = φ then): φ, m, AdamW's moments."""
+        """Everything a restart needs, taken between rounds: φ, m, AdamW's moments, and the
+        encoding's state (θ = φ then, or φ − the encoding's residual: restored from it)."""
         tensors: dict[str, torch.Tensor] = {}
         for k, param in enumerate(self._params):
             tensors[f"phi.{k}"] = self.phi[k]

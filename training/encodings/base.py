@@ -20,8 +20,10 @@ class Encoding(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float32 (Σ numels,) → (uint8 wire bytes of ``nbytes``, what the partner will decode:
         None when it is ``flat`` exactly). ``state``: the sender's own, kept between rounds
-        (and in its checkpoint: its tensors), for encodings that remember (error feedback):
-        called once a round (the trainer keeps the round's payload)."""
+        (and in its checkpoint: its tensors), for encodings that remember: called once a
+        round (the trainer keeps the round's payload). ``state["residual"]``, if set, is
+        the part of Δ the payload left out (flat, Δ's size): after an outer step with a
+        partner the trainer keeps it in θ (θ ← φ − residual), so it is sent later."""
         ...
 
     def decode(self, wire: torch.Tensor, numels: list[int], *, fill: torch.Tensor | None = None) -> torch.Tensor:
