@@ -27,6 +27,16 @@ from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
 
+VAL_BATCHES = 8
+"""Validation batches of the first and the last round: the loss curve's ends, and the final loss."""
+VAL_BATCHES_BETWEEN = 2
+"""Of every other round (the same first batches each time): a round of 10 steps spent ~25%
+of its compute on 8 (forwards of 8 batches against 10 forward-backward steps), most of the
+quarter of its time a worker was not training. Measured (`swarmtrain simulate --nodes 4
+--rounds 30 --compression sparseloco --link-mbps 100 --set seed=1`, before and after in
+turn): median utilization 0.770 → 0.864, training wall time 184.6 → 158.5 s, final loss
+2.054 → 2.046 (the same 8 batches)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Outer:
@@ -213,7 +223,8 @@ def _rounds(
                 raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
             out_view.copy_(trainer.outer_payload())
             compute_s = time.perf_counter() - started
-            val_loss = trainer.val_loss()
+            full = round_index in (0, config.run.rounds - 1)
+            val_loss = trainer.val_loss(max_batches=VAL_BATCHES if full else VAL_BATCHES_BETWEEN)
             ipc.write_blocking(
                 replies,
                 "round_done",
