@@ -97,7 +97,7 @@ def magnitudes_nbytes(numels: list[int]) -> int:
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative ints < 2**bits → ⌈len·bits / 8⌉ bytes, LSB first."""
     shifts = torch.arange(bits, dtype=torch.int64)
-    stream = ((values.to(torch.int64)[:, None] >> shifts) & 1).reshape(-1).to(torch.uint8)
+    stream = ((values.cpu().to(torch.int64)[:, None] >> shifts) & 1).reshape(-1).to(torch.uint8)
     return torch.from_numpy(np.packbits(stream.numpy(), bitorder="little"))
 
 
@@ -131,7 +131,6 @@ def _values(codes: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor) -> to
 class SparseLoCo:
     name = "sparseloco"
     lossy = True
-    stateful = True
 
     def nbytes(self, numels: list[int]) -> int:
         _, phi_nbytes, chunks, kept = _layout(numels)
@@ -155,7 +154,7 @@ class SparseLoCo:
         seen_phi = phi.clone()
         seen_phi[start : start + known] = dequantize(phi_codes, phi_scales)[:known]
         codes, magnitudes, sent = [], [], torch.zeros_like(v)
-        kept_mask = torch.zeros(len(v), dtype=torch.bool)
+        kept_mask = torch.zeros(len(v), dtype=torch.bool, device=v.device)
         offset = 0
         for n in numels[len(numels) // 2 :]:
             part, out, mask = v[offset : offset + n], sent[offset : offset + n], kept_mask[offset : offset + n]
@@ -172,21 +171,23 @@ class SparseLoCo:
                 magnitudes.append(torch.stack([lower, upper], dim=1).reshape(-1))
             offset += n
         state["residual"] = v - sent
+        # Selected on the payload's device; the bytes are put together on the CPU.
         wire = torch.cat(
             [
                 torch.tensor([fragment], dtype=torch.int32).view(torch.uint8),
-                phi_codes.view(torch.uint8),
-                phi_scales.view(torch.uint8),
-                torch.from_numpy(np.packbits(kept_mask.numpy(), bitorder="little")),
+                phi_codes.cpu().view(torch.uint8),
+                phi_scales.cpu().view(torch.uint8),
+                torch.from_numpy(np.packbits(kept_mask.cpu().numpy(), bitorder="little")),
                 pack_bits(torch.cat(codes), 2),
-                torch.cat(magnitudes).to(torch.float32).view(torch.uint8),
+                torch.cat(magnitudes).to(torch.float32).cpu().view(torch.uint8),
             ]
         )
-        return wire.cpu(), torch.cat([seen_phi, sent])
+        return wire, torch.cat([seen_phi, sent])
 
     def decode(self, wire: torch.Tensor, numels: list[int], *, fill: torch.Tensor | None = None) -> torch.Tensor:
         length, phi_nbytes, chunks, kept = _layout(numels)
         half = sum(numels[: len(numels) // 2])
+        wire = wire.cpu()  # parsed on the CPU; the result lands on ``fill``'s device
         if wire.dtype != torch.uint8 or wire.numel() != self.nbytes(numels):
             raise ValueError(f"a sparseloco payload of these pieces is {self.nbytes(numels)} bytes")
         if fill is None or fill.numel() != sum(numels):
@@ -224,12 +225,12 @@ class SparseLoCo:
         out = fill.to(torch.float32).clone()
         start = fragment * length
         known = max(0, min(length, half - start))
-        out[start : start + known] = dequantize(phi_codes, phi_scales)[:known]
+        out[start : start + known] = dequantize(phi_codes, phi_scales)[:known].to(out.device)
         magnitude = torch.where((codes >> 1).bool(), magnitudes[chunk_of, 1], magnitudes[chunk_of, 0])
         values = torch.where((codes & 1).bool(), -magnitude, magnitude)
         delta = torch.zeros(sum(numels) - half, dtype=torch.float32)
         delta[positions] = values
-        out[half:] = delta
+        out[half:] = delta.to(out.device)
         return out
 
 
