@@ -22,24 +22,22 @@ Not yet here: streaming rounds (not built).
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.simulation import simulate as run_simulate
+
 
 def simulate(encoding: str, seed: int, args: argparse.Namespace, report: Path) -> dict[str, Any]:
-    command = [
-        *[sys.executable, "-m", "node", "simulate", "--nodes", str(args.nodes), "--model", args.model],
-        *["--rounds", str(args.rounds), "--compression", encoding, "--set", f"seed={seed}"],
-        *["--link-mbps", f"{args.link_mbps:g}", "--timeout-s", str(args.timeout_s), "--report", str(report)],
+    flags = [
+        *["--nodes", str(args.nodes), "--model", args.model, "--rounds", str(args.rounds)],
+        *["--compression", encoding, "--set", f"seed={seed}", "--link-mbps", f"{args.link_mbps:g}"],
     ]
-    print(" ".join(command[2:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s + 120, check=False)
-    if result.returncode != 0 or not report.exists():
-        raise RuntimeError(f"simulate exited {result.returncode}: {result.stdout[-1500:]}{result.stderr[-1500:]}")
-    data: dict[str, Any] = json.loads(report.read_text())
+    data = run_simulate(flags, report, timeout_s=args.timeout_s)
     nodes = [n for n in data["nodes"] if n.get("final_loss") is not None]
     return {
         "final_loss": statistics.mean(n["final_loss"] for n in nodes),

@@ -31,11 +31,14 @@ issue's ratios (each a ratio of two variants measured in this run):
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.simulation import simulate as run_simulate
 
 VARIANTS: dict[str, list[str]] = {
     "spes": ["--algorithm", "spes", "--model", "tiny-moe"],
@@ -47,19 +50,17 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def simulate(flags: list[str], report_path: Path, args: argparse.Namespace, *, nodes: int, seed: int) -> dict[str, Any]:
-    command = [
-        *[sys.executable, "-m", "node", "simulate", "--nodes", str(nodes), *flags],
-        *["--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--set", f"seed={seed}"],
-        *["--timeout-s", str(args.timeout_s), "--report", str(report_path)],
-    ]
-    print(" ".join(command[2:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s + 120, check=False)
     # A run with a killed node never "converges" (the dead node's view is stale): exit 1
     # with a whole report is a finished run.
-    if result.returncode not in (0, 1) or not report_path.exists():
-        raise RuntimeError(f"simulate exited {result.returncode}: {result.stdout[-1500:]}{result.stderr[-1500:]}")
-    report: dict[str, Any] = json.loads(report_path.read_text())
-    return report
+    return run_simulate(
+        [
+            *["--nodes", str(nodes), *flags],
+            *["--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--set", f"seed={seed}"],
+        ],
+        report_path,
+        timeout_s=args.timeout_s,
+        exit_codes=(0, 1),
+    )
 
 
 def _memory(node: dict[str, Any]) -> int:

@@ -81,6 +81,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def hash_index(index: torch.Tensor, ka: int | torch.Tensor, kb: int | torch.Tensor) -> torch.Tensor:
+    """bits(s, p, i) of a tensor of indices i, from the key pair of (s, p)."""
+    return _mix((_mix(index ^ ka) + kb) & M32)
+
+
 def bits(
     seed: int, param_index: int, count: int, *, offset: int = 0, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -89,7 +94,7 @@ def bits(
         raise ValueError(f"element indices must lie in [0, 2**32), got [{offset}, {offset + count})")
     ka, kb = key(seed, param_index)
     index = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
-    return _mix((_mix(index ^ ka) + kb) & M32)
+    return hash_index(index, ka, kb)
 
 
 def sign_bit_int(seed: int, param_index: int, index: int, version: int) -> int:

@@ -50,12 +50,12 @@ def _check(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.T
 
 def _negative(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
     """z(s, p, i) < 0 for a range of element indices i (kernels/rng.py's definition, version 1)."""
-    return (rng._mix((rng._mix(index ^ ka) + kb) & rng.M32) >> 31).bool()
+    return (rng.hash_index(index, ka, kb) >> 31).bool()
 
 
 def _negative_v2(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
     """The same for version 2: one hash per 32 elements (``index`` starts at a multiple of 32)."""
-    words = rng._mix((rng._mix((index[:: rng.SIGNS_PER_WORD] >> 5) ^ ka) + kb) & rng.M32)
+    words = rng.hash_index(index[:: rng.SIGNS_PER_WORD] >> 5, ka, kb)
     return rng.words_to_sign_bits(words, 0, index.numel()).bool()
 
 

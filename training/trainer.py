@@ -181,13 +181,18 @@ class Trainer:
         """φ then Δ as wire bytes (uint8, ``payload_nbytes``): what a partner needs from us."""
         if self._wire is not None:  # once a round: an encoding's state (error feedback) moves on each call
             return self._wire
-        delta = outer_gradient(self.phi, self.theta())
-        flat = torch.cat([t.reshape(-1) for t in (*self.phi, *delta)]).to(torch.float32)
-        wire, seen = self.encoding.encode(flat, self._numels, round_index=self.round, state=self.codec_state)
+        wire, seen = self.encoding.encode(
+            self._exact_flat(), self._numels, round_index=self.round, state=self.codec_state
+        )
         self._sent = None if seen is None else self._split(seen)
         self._sent_flat = seen
         self._wire = wire
         return wire
+
+    def _exact_flat(self) -> torch.Tensor:
+        """φ then Δ, exactly, as one float32 tensor: what a payload encodes."""
+        delta = outer_gradient(self.phi, self.theta())
+        return torch.cat([t.reshape(-1) for t in (*self.phi, *delta)]).to(torch.float32)
 
     def parse_payload(self, wire: torch.Tensor) -> PeerTensors:
         """A partner's wire bytes as tensors shaped like ours; ``PayloadRejected`` if unusable."""
@@ -196,11 +201,11 @@ class Trainer:
                 f"payload is {wire.dtype} × {tuple(wire.shape)}, expected uint8 × ({self.payload_nbytes},)"
             )
         wire = wire.to(self.device, copy=True)  # aligned, and the caller's buffer is never kept
-        fill = self._sent_flat
-        if fill is None:  # our own exactly, when nothing was sent yet (and for lossless encodings)
-            fill = torch.cat([t.reshape(-1) for t in (*self.phi, *outer_gradient(self.phi, self.theta()))])
+        # Our own as sent fills in what a payload leaves out; exactly, when nothing was sent
+        # yet (and for lossless encodings).
+        fill = self._sent_flat if self._sent_flat is not None else self._exact_flat()
         try:
-            flat = self.encoding.decode(wire, self._numels, fill=fill.to(torch.float32))
+            flat = self.encoding.decode(wire, self._numels, fill=fill)
         except ValueError as exc:
             raise PayloadRejected(str(exc)) from exc
         if not bool(torch.isfinite(flat).all()):
