@@ -221,3 +221,33 @@ def test_an_honest_partner_stays_far_inside_the_bounds() -> None:
     whose Δ is twice and whose φ is three updates off ours is still taken."""
     a, flat = partner_payload(delta_times=2.0, updates_away=3.0)
     a.parse_payload(flat.view(torch.uint8))
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "sparseloco"])
+@pytest.mark.parametrize("partner", [True, False])
+def test_an_overlapped_outer_step_is_the_on_time_one_with_the_steps_since_on_top(
+    compression: str, partner: bool
+) -> None:
+    """``outer.overlap``: the next round's first steps run before the outer step lands. The
+    step is made of θ as the round ended (φ' and m' bit-identical to a trainer that stepped
+    on time) and lands under the steps since: θ = (φ' − residual) + (θ − θ_end), one
+    subtraction and one addition, exactly as written (bit for bit)."""
+    late, on_time = trainer(0, compression=compression), trainer(0, compression=compression)
+    other = trainer(1, compression=compression)
+    for t in (late, on_time, other):
+        t.inner_steps()
+    wire = other.outer_payload() if partner else None
+    assert torch.equal(late.outer_payload(), on_time.outer_payload())
+    late.hold_round_end()
+    ended = [p.clone() for p in late.theta()]
+    late.inner_steps(3)  # the next round's first steps, while the exchange would travel
+    moved = [p.detach().clone() for p in late.model.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(moved, ended, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(late.theta(), ended, strict=True))  # Δ stays the round's
+    assert late.apply_noloco(wire) is partner and on_time.apply_noloco(wire) is partner
+    for ours, theirs in ((late.phi, on_time.phi), (late.momentum, on_time.momentum)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    expected = [m - e + t for m, e, t in zip(moved, ended, on_time.theta(), strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(late.theta(), expected, strict=True))
+    assert late.round == on_time.round == 1 and late.step == on_time.step + 3
+    assert late.codec_state.keys() == on_time.codec_state.keys()

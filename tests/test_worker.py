@@ -10,16 +10,25 @@ import torch
 import trio
 
 from node.supervisor import WorkerConnection, attach_block
-from training.settings import InnerConfig, RunSettings
+from training.settings import InnerConfig, OuterConfig, RunSettings
 from training.worker_config import WorkerConfig
 
 SMALL_MODEL = {"context_len": 32, "embed_dim": 32, "num_layers": 2, "num_heads": 2}
 TIMEOUT_S = 120.0
 
 
-async def start_worker(*, algorithm: str, rounds: int, model: str = "tiny", **config: Any) -> WorkerConnection:
-    """A real worker process, spoken to through the daemon's own connection class."""
-    run = RunSettings(algorithm=algorithm, rounds=rounds, model=model, inner=InnerConfig(steps_per_round=5, lr=3e-3))
+async def start_worker(
+    *, algorithm: str, rounds: int, model: str = "tiny", overlap: float = 0.5, **config: Any
+) -> WorkerConnection:
+    """A real worker process, spoken to through the daemon's own connection class (5 steps a
+    round: with the default overlap, the outer step lands after 2 of the next round's)."""
+    run = RunSettings(
+        algorithm=algorithm,
+        rounds=rounds,
+        model=model,
+        inner=InnerConfig(steps_per_round=5, lr=3e-3),
+        outer=OuterConfig(overlap=overlap),
+    )
     worker_config = WorkerConfig(run=run, **{"model_overrides": SMALL_MODEL, **config})
     command = [sys.executable, "-m", "training.worker", worker_config.to_json()]
     process = await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -76,6 +85,8 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         inbox.buf[: ready["payload_nbytes"]] = outbox.buf[: ready["payload_nbytes"]]
         await worker.send("outer_go", round=round_index, peer=True)
         outer = await receive(worker)
+        wait_s = outer.pop("wait_s")  # how long it waited for our word: its own clock
+        assert isinstance(wait_s, float) and wait_s >= 0
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
         assert outer == {**expected, "rejected": None, "drifted": False}
     assert losses[-1] < losses[0]
@@ -149,7 +160,9 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
         "rejected": None,
         "drifted": False,
     }
-    assert (await receive(worker)) == expected
+    done = await receive(worker)
+    assert isinstance(done.pop("wait_s"), float)
+    assert done == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
@@ -157,9 +170,13 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     inbox.close()
 
 
-async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [0.0, 0.5])
+async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path, overlap: float) -> None:
+    """Killed mid-round 1, it does round 1 again the same, bit for bit: with an overlap, the
+    checkpoint of round 0 is written when its outer step lands, 2 steps into round 1, and
+    holds the round's end (θ, AdamW's moments) besides the outer step's result."""
     path = tmp_path / "run.ckpt"
-    worker = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path))
+    worker = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path), overlap=overlap)
     assert (await receive(worker))["round"] == 0
     await receive(worker)
     await worker.send("outer_go", round=0, peer=False)
@@ -173,7 +190,7 @@ async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path) -> No
     worker.process.kill()  # mid-round 1: that round is done again
     await worker.process.wait()
 
-    again = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path))
+    again = await start_worker(algorithm="local", rounds=3, checkpoint_path=str(path), overlap=overlap)
     assert (await receive(again))["round"] == 1
     redone = await receive(again)
     # The same state and the same batches: round 1 comes out the same, bit for bit.

@@ -17,10 +17,16 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
-                                 ◀── {t: "outer_done", round, used_peer, rejected, drifted}
+                                 ◀── {t: "outer_done", round, used_peer, rejected, drifted,
+                                     wait_s}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
-                                     with a ban unless drifted: not far past the bounds)
+                                     with a ban unless drifted: not far past the bounds;
+                                     wait_s: how long the worker waited for these commands.
+                                     With outer.overlap the worker reads them only after the
+                                     next round's first steps: the daemon's messages wait in
+                                     the pipe meanwhile, and the worker's next inner_done
+                                     comes after this outer_done)
                                  ◀── {t: "saved", round, save_error} (with a checkpoint
                                      path: the state after ``round`` is on disk, written in
                                      the background, training/saver.py: at any point before

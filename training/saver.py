@@ -69,12 +69,20 @@ class BackgroundSaver:
         self._report = report
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._staged: dict[str, torch.Tensor] = {}
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` now for the next ``save`` (a round's end, when its outer step
+        lands later: training/algorithms/rounds.py)."""
+        self.wait()
+        self._staged = {name: self._copy(name, tensor) for name, tensor in tensors.items()}
 
     def save(self, round_index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Copy ``tensors`` (the caller may change them as soon as this returns) and write
-        them as the state after ``round_index`` in the background."""
+        them, with what was staged, as the state after ``round_index`` in the background."""
         self.wait()
-        copies = {name: self._copy(name, tensor) for name, tensor in tensors.items()}
+        copies = {**self._staged, **{name: self._copy(name, tensor) for name, tensor in tensors.items()}}
+        self._staged = {}
         self._buffers = {name: self._buffers[name] for name in copies}  # a lost expert's go
         copied: torch.cuda.Event | None = None
         if any(t.device.type == "cuda" for t in tensors.values()):

@@ -85,10 +85,22 @@ class OuterConfig:
     """Outer learning rate β on the averaged outer gradient."""
     gamma: float = 0.7
     """Pull γ of our slow weights towards the pair's mean (NoLoCo only)."""
+    overlap: float = 0.5
+    """The share of the next round's inner steps taken before a round's outer step is
+    applied (NoLoCo, DiLoCo, local): its exchange travels meanwhile, and the outer step
+    lands under the steps taken since (training/algorithms/rounds.py). 0: the worker waits
+    at every round boundary (a barrier), as before. SPES waits at each boundary whatever
+    this says (its experts change owner there)."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             _in_range(f"outer.{name}", getattr(self, name), 0.0, 2.0)
+        _in_range("outer.overlap", self.overlap, 0.0, 1.0)
+
+    def overlap_steps(self, steps_per_round: int) -> int:
+        """How many of a round's inner steps come before the last round's outer step (the
+        nearest whole number: 0.29 of 100 is 29, where the floor of 28.999999999999996 is 28)."""
+        return round(self.overlap * steps_per_round)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -98,6 +98,10 @@ class Trainer:
         """Why the last partner payload was refused (None if it was used, or there was none)."""
         self.last_rejection_drifted = False
         """The last refusal was of a replica that drifted, not of an attack (a point, no ban)."""
+        self._round_end: list[torch.Tensor] | None = None
+        self._landing = False
+        """θ as the last round ended, while the next round's first inner steps run before
+        its outer step (``hold_round_end``); ``theta()`` is this then."""
         self.expert_load: list[float] | None = None
         """A mixture of experts: each expert's share of the routed tokens over the last
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
@@ -117,7 +121,9 @@ class Trainer:
             "trainable_params": sum(p.numel() for p in self._trainable),
             "total_params": sum(p.numel() for p in self.model.parameters()),
             "grad_bytes": sum(p.grad.nbytes for p in self.model.parameters() if p.grad is not None),
-            "optimizer_state_bytes": sum(t.nbytes for t in (*adam, *self.momentum, *self.phi, *self._codec_tensors())),
+            "optimizer_state_bytes": sum(
+                t.nbytes for t in (*adam, *self.momentum, *self.phi, *self._codec_tensors(), *(self._round_end or []))
+            ),
         }
 
     def _codec_tensors(self) -> list[torch.Tensor]:
@@ -128,13 +134,14 @@ class Trainer:
         context_len = self.shard.train.shape[1] - 1  # a block is its inputs and one more target
         return self.inner.steps_per_round * self.inner.batch_size * context_len
 
-    def inner_steps(self) -> float:
-        """H AdamW steps on θ; returns the mean training loss."""
+    def inner_steps(self, steps: int | None = None) -> float:
+        """``steps`` (H if None) AdamW steps on θ; returns their mean training loss."""
         self.model.train()
         # The losses add up where they are (float64, as Python floats would: the same sum on
-        # a CPU) and are read once a round: a read per step waits for the GPU each step.
+        # a CPU) and are read once: a read per step waits for the GPU each step.
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _ in range(self.inner.steps_per_round):
+        count = self.inner.steps_per_round if steps is None else steps
+        for _ in range(count):
             inputs, targets = self._batch()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
                 loss = self._loss(inputs, targets)
@@ -144,7 +151,7 @@ class Trainer:
             self.optimizer.step()
             total += loss.detach().double()
             self.step += 1
-        return float(total.item()) / self.inner.steps_per_round
+        return float(total.item()) / count if count else 0.0
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's batch on the device: on CUDA from page-locked memory, copied without
@@ -174,7 +181,44 @@ class Trainer:
         return total / len(batches)
 
     def theta(self) -> list[torch.Tensor]:
+        """θ as the round ended: what Δ, a payload and the outer step are made of."""
+        if self._round_end is not None:
+            return self._round_end
         return [p.detach() for p in self._params]
+
+    @torch.no_grad()
+    def hold_round_end(self) -> None:
+        """The round's payload is out; inner steps go on before its outer step: θ as the round
+        ended is kept (one more copy of the outer weights), the outer step is made of it, and
+        lands under the steps taken since: θ ← φ' (− the encoding's residual) + (θ − θ_end),
+        as if it had come on time and those steps had followed it (their gradients taken
+        from where θ was: the staleness of overlapping, bounded by the overlap's steps)."""
+        if self._round_end is None:
+            self._round_end = [p.detach().clone() for p in self._params]
+
+    def round_end_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint takes of the round's end when its outer step lands later: AdamW's
+        moments and θ then (``round_end.<k>``; its step count is the caller's). With the
+        outer step's result (``state``), a restart does the overlapped steps again from there
+        and lands the same step on them, bit for bit (``restore``, ``land``)."""
+        assert self._round_end is not None, "hold_round_end() first"
+        tensors, _ = self.state()
+        kept = {name: t for name, t in tensors.items() if name.startswith("adam.")}
+        kept.update({f"round_end.{k}": t for k, t in enumerate(self._round_end)})
+        return kept
+
+    @property
+    def landing(self) -> bool:
+        """Restored from a checkpoint written mid-overlap: θ is the round's end, and the outer
+        step (φ, m, the residual restored) lands after the overlapped steps (``land``)."""
+        return self._landing
+
+    @torch.no_grad()
+    def land(self) -> None:
+        """The restored outer step onto the steps taken since the round's end."""
+        assert self._landing
+        self._landing = False
+        self._load_phi_into_theta()
 
     @torch.no_grad()
     def outer_payload(self) -> torch.Tensor:
@@ -324,6 +368,11 @@ class Trainer:
             ):
                 raise CheckpointError(f"checkpoint's optimizer state {k} does not fit this model")
             adam[k] = moments
+        ends = [tensors.get(f"round_end.{k}") for k in range(len(self._params))]
+        if any(e is not None for e in ends) and not all(
+            e is not None and e.shape == p.shape and e.dtype == p.dtype for e, p in zip(ends, self._params, strict=True)
+        ):
+            raise CheckpointError("checkpoint's round_end does not fit this model")
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
             raise CheckpointError("checkpoint holds NaN or Inf")
         self.phi = [tensors[f"phi.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
@@ -335,6 +384,7 @@ class Trainer:
                 key: m.clone() if key == "step" else m.to(self.device, copy=True) for key, m in state.items()
             }
         self.round, self.step = round_index, step
+        self._round_end, self._landing = None, False
         self._sent = None
         self._sent_flat = None
         self._wire = None
@@ -345,7 +395,14 @@ class Trainer:
             for name, value in tensors.items()
             if name.startswith("encoding.") and value.dtype == torch.float32 and value.shape == fits
         }
-        self._load_phi_into_theta()
+        if not ends or ends[0] is None:
+            self._load_phi_into_theta()
+            return
+        # Written mid-overlap: θ as the round ended; the outer step lands after the steps.
+        self._round_end = [e.to(self.device, copy=True) for e in ends if e is not None]
+        for param, end in zip(self._params, self._round_end, strict=True):
+            param.copy_(end)
+        self._landing = True
 
     def _load_phi_into_theta(self) -> None:
         # Checked before θ takes them: non-finite weights (our own divergence) end this worker
@@ -353,11 +410,12 @@ class Trainer:
         if not all(math.isfinite(float(p.abs().max())) for p in self.phi if p.numel()):
             raise FloatingPointError("outer step produced non-finite weights")
         residual = self.codec_state.get("residual")
-        if residual is None:
-            for param, phi in zip(self._params, self.phi, strict=True):
-                param.copy_(phi)
-            return
         # What the payload left out of Δ stays in θ (sparseloco): θ ← φ − (Δ − sent).
-        lefts = torch.split(residual, self._numels[: len(self.phi)])
-        for param, phi, left in zip(self._params, self.phi, lefts, strict=True):
-            param.copy_(phi - left.view_as(phi))
+        lefts = [None] * len(self.phi) if residual is None else torch.split(residual, self._numels[: len(self.phi)])
+        ends, self._round_end = self._round_end, None
+        for k, (param, phi, left) in enumerate(zip(self._params, self.phi, lefts, strict=True)):
+            target = phi if left is None else phi - left.view_as(phi)
+            if ends is None:
+                param.copy_(target)
+            else:  # the steps taken since the round ended stay: θ ← target + (θ − θ_end)
+                param.sub_(ends[k]).add_(target)

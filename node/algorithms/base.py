@@ -29,7 +29,9 @@ class TrainingMetrics:
     compute_s: float = 0.0
     """Inner steps and payload export, as the worker timed them."""
     sync_wait_s: float = 0.0
-    """From a round's end until the worker was told to apply its outer step."""
+    """How long the worker waited for the daemon's word to apply its outer steps (its own
+    measure, ``outer_done``'s ``wait_s``): the whole exchange with a barrier, what the
+    overlapped inner steps did not hide without one (``outer.overlap``)."""
     train_wall_s: float = 0.0
     """From the first worker's "ready" to the last outer step: compute_s / train_wall_s is
     the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""

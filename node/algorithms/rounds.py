@@ -10,6 +10,7 @@ algorithm's ``Inbox``, before a byte is allocated.
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -255,9 +256,7 @@ class PayloadRounds:
                     load = message.get("expert_load")
                     if isinstance(load, list) and all(isinstance(v, float) for v in load):
                         metrics.expert_load = load
-                    started = trio.current_time()
                     await self.exchange(worker, message, outbox, inbox)
-                    metrics.sync_wait_s += trio.current_time() - started
                 elif message["t"] == "accumulated":
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
@@ -265,6 +264,9 @@ class PayloadRounds:
                     metrics.rounds += 1
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
+                    wait_s = message.get("wait_s")
+                    if isinstance(wait_s, float) and 0.0 <= wait_s < math.inf:
+                        metrics.sync_wait_s += wait_s
                     if metrics.rounds >= self.ctx.run.rounds:
                         self._finished()
                         await self.linger()

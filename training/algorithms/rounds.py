@@ -6,6 +6,20 @@ the daemon's commands until ``outer_go``: DiLoCo first sends ``accumulate`` once
 peer payload it put in the inbox (each checked like any partner payload, kept or
 refused); then the algorithm's outer step, a checkpoint (written in the background:
 training/saver.py), ``outer_done``.
+
+Overlapped rounds (``outer.overlap``, the default 0.5; SPES and a run's last round wait): the
+worker does not wait for the daemon's commands at the round's end. It keeps θ as the round
+ended, takes the next round's first ``overlap_steps`` steps while the daemon pairs and the
+payloads travel, and only then reads the commands and makes the outer step, of θ as the
+round ended (the payload's φ and Δ, bit for bit what a barrier would have stepped on); the
+step lands under the steps taken since (``Trainer.hold_round_end``), which keeps their
+progress whole, their gradients one outer step stale. Streaming DiLoCo (arXiv 2501.18512)
+overlaps the same way but mixes the local and the new weights half and half; eager updates
+(arXiv 2502.12996) stand our own Δ in for the partners' meanwhile: neither is done here. The network's time is
+hidden up to those steps' time; the worker's wait beyond it is ``outer_done``'s ``wait_s``.
+The round still has H steps. The checkpoint written when the step lands holds the round's
+end (θ and AdamW's moments then, staged when it ended) besides the step's result: a restart
+takes the overlapped steps again and lands the same step on them, bit for bit.
 """
 
 import dataclasses
@@ -113,8 +127,9 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
         tensors, meta = checkpoint.load(Path(config.start_from))
         if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.rounds):
             raise checkpoint.CheckpointError(f"round {meta.get('round')!r} is not one of this run's")
-        # Not the peer's encoding state: its error feedback is what the peer has yet to send.
-        trainer.restore({k: v for k, v in tensors.items() if not k.startswith("encoding.")}, meta)
+        # Not the peer's encoding state: its error feedback is what the peer has yet to send;
+        # nor its θ at a round's end (written mid-overlap): we start from its outer step's φ.
+        trainer.restore({k: v for k, v in tensors.items() if not k.startswith(("encoding.", "round_end."))}, meta)
     except checkpoint.CheckpointError as exc:
         logger.warning("a peer's state %s is unusable (%s); starting from round 0", config.start_from, exc)
         return
@@ -132,17 +147,77 @@ def _saver(config: WorkerConfig, replies: BinaryIO) -> BackgroundSaver | None:
 
 
 def save(
-    config: WorkerConfig, trainer: Trainer, saver: BackgroundSaver | None, round_index: int, *, last: bool
+    config: WorkerConfig,
+    trainer: Trainer,
+    saver: BackgroundSaver | None,
+    round_index: int,
+    *,
+    last: bool,
+    held_step: int | None = None,
 ) -> None:
     """The state after an outer step (never a non-finite one: the step refuses those
     first), written in the background (training/saver.py); the run's last round's is
-    written before its ``outer_done``, so the daemon has it when its run is over."""
+    written before its ``outer_done``, so the daemon has it when its run is over.
+    ``held_step``: the step landed under overlapped steps; the round's end (AdamW's moments,
+    θ, this step count) was staged when it ended (``Trainer.round_end_state``)."""
     if saver is None:
         return
     tensors, meta = trainer.state()
+    if held_step is not None:
+        tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
+        meta = {**meta, "step": held_step}
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()})
     if last:
         saver.wait()
+
+
+def _outer_round(
+    config: WorkerConfig,
+    trainer: Trainer,
+    commands: BinaryIO,
+    replies: BinaryIO,
+    outer: OuterStep,
+    in_view: torch.Tensor,
+    saver: BackgroundSaver | None,
+    round_index: int,
+    held_step: int | None = None,
+) -> bool:
+    """The daemon's commands for round ``round_index`` until ``outer_go``, then its outer
+    step, checkpoint and ``outer_done`` (with ``wait_s``: how long the worker waited for
+    the commands, its time not training). False: the daemon said stop."""
+    collected: dict[str, list[torch.Tensor]] = {}
+    wait_s = 0.0
+    while True:
+        asked = time.perf_counter()
+        command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+        wait_s += time.perf_counter() - asked
+        if command["t"] == "stop":
+            return False
+        if command.get("round") != round_index:
+            raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
+        if command["t"] != "accumulate":
+            break
+        try:  # keep this peer's Δ (checked like any partner payload)
+            collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
+            refusal, drifted = None, False
+        except PayloadRejected as exc:
+            refusal, drifted = str(exc)[:200], exc.drifted
+        ipc.write_blocking(
+            replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
+        )
+    result = outer(trainer, command, in_view, collected)
+    save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held_step=held_step)
+    ipc.write_blocking(
+        replies,
+        "outer_done",
+        round=round_index,
+        used_peer=result.used_peer,
+        rejected=result.rejected,
+        drifted=result.drifted,
+        wait_s=wait_s,
+        **result.extra,
+    )
+    return True
 
 
 def run_rounds(
@@ -152,9 +227,13 @@ def run_rounds(
     replies: BinaryIO,
     outer: OuterStep,
     opening: Callable[[], Opening] | None = None,
+    *,
+    overlap_steps: int = 0,
 ) -> None:
     """Resume, then rounds until the run's last, with shared-memory out- and inboxes.
-    ``opening``: called once resumed, for what the algorithm adds before the first round."""
+    ``opening``: called once resumed, for what the algorithm adds before the first round.
+    ``overlap_steps``: of each round after the first, the inner steps taken before the last
+    round's outer step (``OuterConfig.overlap``; 0: a barrier at every round's end)."""
     asked = ask_start_from(config, commands, replies)
     if asked is None:
         return
@@ -167,7 +246,16 @@ def run_rounds(
     try:
         with page_locked(outbox, trainer.device), page_locked(inbox, trainer.device):
             _rounds(
-                config, trainer, outbox, inbox, commands, replies, outer, None if opening is None else opening(), saver
+                config,
+                trainer,
+                outbox,
+                inbox,
+                commands,
+                replies,
+                outer,
+                None if opening is None else opening(),
+                saver,
+                overlap_steps,
             )
     finally:
         if saver is not None:
@@ -187,6 +275,7 @@ def _rounds(
     outer: OuterStep,
     opening: Opening | None,
     saver: BackgroundSaver | None,
+    overlap_steps: int,
 ) -> None:
     # Tensors over the shared blocks live only in this frame, and are deleted on the way
     # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
@@ -210,9 +299,24 @@ def _rounds(
             if command["t"] != "setup":
                 raise ipc.IpcError(f"{command['t']} before the first round (expected setup)")
             opening.setup(command)
+        steps = config.run.inner.steps_per_round
+        early = overlap_steps if 0 < overlap_steps <= steps else 0
+        pending: tuple[int, int] | None = None
+        """A round whose outer step comes after ``early`` steps of the next round, and the
+        step count at its end."""
         for round_index in range(trainer.round, config.run.rounds):
+            compute_s, loss_sum, rest = 0.0, 0.0, steps
             started = time.perf_counter()
-            train_loss = trainer.inner_steps()
+            if trainer.landing:  # resumed from a checkpoint written mid-overlap: as it went
+                loss_sum, rest = trainer.inner_steps(early) * early, steps - early
+                trainer.land()
+            elif pending is not None:  # the last round's exchange went on during these steps
+                loss_sum, rest = trainer.inner_steps(early) * early, steps - early
+                compute_s += time.perf_counter() - started
+                if not _outer_round(config, trainer, commands, replies, outer, in_view, saver, *pending):
+                    return
+                pending, started = None, time.perf_counter()
+            train_loss = (loss_sum + trainer.inner_steps(rest) * rest) / steps
             # The outbox may still be read by a peer pulling last round's payload: the
             # daemon says when it is ours to overwrite.
             ipc.write_blocking(replies, "inner_done", round=round_index)
@@ -222,7 +326,7 @@ def _rounds(
             if command["t"] != "outbox_free" or command.get("round") != round_index:
                 raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
             out_view.copy_(trainer.outer_payload())
-            compute_s = time.perf_counter() - started
+            compute_s += time.perf_counter() - started
             full = round_index in (0, config.run.rounds - 1)
             val_loss = trainer.val_loss(max_batches=VAL_BATCHES if full else VAL_BATCHES_BETWEEN)
             ipc.write_blocking(
@@ -237,34 +341,13 @@ def _rounds(
                 memory=trainer.memory(),
                 expert_load=trainer.expert_load,
             )
-            collected: dict[str, list[torch.Tensor]] = {}
-            while True:
-                command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
-                if command["t"] == "stop":
-                    return
-                if command.get("round") != round_index:
-                    raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
-                if command["t"] != "accumulate":
-                    break
-                try:  # keep this peer's Δ (checked like any partner payload)
-                    collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
-                    refusal, drifted = None, False
-                except PayloadRejected as exc:
-                    refusal, drifted = str(exc)[:200], exc.drifted
-                ipc.write_blocking(
-                    replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
-                )
-            result = outer(trainer, command, in_view, collected)
-            save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds)
-            ipc.write_blocking(
-                replies,
-                "outer_done",
-                round=round_index,
-                used_peer=result.used_peer,
-                rejected=result.rejected,
-                drifted=result.drifted,
-                **result.extra,
-            )
+            if early and round_index + 1 < config.run.rounds:
+                trainer.hold_round_end()  # the next round's first steps go on meanwhile
+                if saver is not None:
+                    saver.stage(trainer.round_end_state())
+                pending = (round_index, trainer.step)
+            elif not _outer_round(config, trainer, commands, replies, outer, in_view, saver, round_index):
+                return
         ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
     finally:
         del out_view, in_view
