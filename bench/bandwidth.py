@@ -1,10 +1,14 @@
 """Payload encodings against float32 on the same run: bytes, loss and time, as ratios in one run.
 
-Runs ``swarmtrain simulate`` (real daemons and workers, loopback) once per encoding and
+Runs ``swarmtrain simulate`` (real daemons and workers, loopback) once per variant and
 seed, the same run settings each time, every node's uploads capped at ``--link-mbps`` (a
-home link; 0: no cap). Printed: one JSON object with, per encoding, the mean over seeds
-of the nodes' mean final validation loss, payload bytes sent per node per round, and the
-wall time of training; and for each encoding its ratios to ``none`` measured in this run:
+home link; 0: no cap). A variant is an encoding, overlapped rounds as the run settings'
+default (``outer.overlap``), or an encoding with ``+barrier`` (``--set outer.overlap=0``:
+the worker waits at every round's end). Printed: one JSON object with, per variant, the
+mean over seeds of the nodes' mean final validation loss, payload bytes sent per node per
+round, the wall time of training, the median utilization and the share of training time
+the workers waited for syncs (``sync_wait_share``: sync_wait_s / train_wall_s, the mean
+over nodes; issue 16: ≤ 0.05); and for each its ratios to ``none`` measured in this run:
 
     bytes_ratio    payload bytes sent per node per round / none's
     wire_bytes_ratio  every byte sent on TCP (protocol/net/traffic.py), per node per round,
@@ -15,8 +19,7 @@ wall time of training; and for each encoding its ratios to ``none`` measured in 
     python bench/bandwidth.py                           # tiny, 30 rounds, 100 Mbit/s
     python bench/bandwidth.py --quick                   # micro, 6 rounds: a CI-sized check
     python bench/bandwidth.py --encodings none,sparseloco --seeds 1,2,3 --link-mbps 0
-
-Not yet here: streaming rounds (not built).
+    python bench/bandwidth.py --encodings none,none+barrier,sparseloco,sparseloco+barrier
 """
 
 import argparse
@@ -32,10 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.simulation import simulate as run_simulate
 
 
-def simulate(encoding: str, seed: int, args: argparse.Namespace, report: Path) -> dict[str, Any]:
+def simulate(variant: str, seed: int, args: argparse.Namespace, report: Path) -> dict[str, Any]:
+    encoding, _, mode = variant.partition("+")
+    if mode not in ("", "barrier"):
+        raise SystemExit(f"unknown variant {variant!r}: an encoding, or an encoding+barrier")
     flags = [
         *["--nodes", str(args.nodes), "--model", args.model, "--rounds", str(args.rounds)],
         *["--compression", encoding, "--set", f"seed={seed}", "--link-mbps", f"{args.link_mbps:g}"],
+        *(["--set", "outer.overlap=0"] if mode == "barrier" else []),
     ]
     data = run_simulate(flags, report, timeout_s=args.timeout_s)
     nodes = [n for n in data["nodes"] if n.get("final_loss") is not None]
@@ -45,6 +52,7 @@ def simulate(encoding: str, seed: int, args: argparse.Namespace, report: Path) -
         "wire_bytes_per_round": statistics.mean(n["wire_bytes_sent"] / max(1, n["rounds"]) for n in nodes),
         "train_wall_s": statistics.mean(n["train_wall_s"] for n in nodes),
         "utilization": statistics.median(n["utilization"] for n in nodes),
+        "sync_wait_share": statistics.mean(n["sync_wait_s"] / n["train_wall_s"] for n in nodes),
         "rounds_with_partner": [n["rounds_with_partner"] for n in nodes],
         "payloads_refused": [n.get("payloads_refused") for n in nodes],
     }
@@ -81,7 +89,10 @@ def main() -> None:
     for encoding in encodings:
         out[encoding] = {
             key: mean(encoding, key)
-            for key in ("final_loss", "bytes_per_round", "wire_bytes_per_round", "train_wall_s", "utilization")
+            for key in (
+                *("final_loss", "bytes_per_round", "wire_bytes_per_round", "train_wall_s"),
+                *("utilization", "sync_wait_share"),
+            )
         }
         out[encoding].update(
             bytes_ratio=mean(encoding, "bytes_per_round") / mean("none", "bytes_per_round"),

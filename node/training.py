@@ -237,6 +237,7 @@ class TrainingService:
             "loss_curve": m.loss_curve,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
+            "overlapped_steps": m.overlapped_steps,
             "train_wall_s": round(m.train_wall_s, 3),
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,
             "finished": m.finished,

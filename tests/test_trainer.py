@@ -225,29 +225,43 @@ def test_an_honest_partner_stays_far_inside_the_bounds() -> None:
 
 @pytest.mark.parametrize("compression", ["none", "int8", "sparseloco"])
 @pytest.mark.parametrize("partner", [True, False])
+@pytest.mark.parametrize("eager", [True, False])
 def test_an_overlapped_outer_step_is_the_on_time_one_with_the_steps_since_on_top(
-    compression: str, partner: bool
+    compression: str, partner: bool, eager: bool
 ) -> None:
     """``outer.overlap``: the next round's first steps run before the outer step lands. The
     step is made of θ as the round ended (φ' and m' bit-identical to a trainer that stepped
-    on time) and lands under the steps since: θ = (φ' − residual) + (θ − θ_end), one
-    subtraction and one addition, exactly as written (bit for bit)."""
+    on time); the steps start from S (eager: our own outer step alone, φ + αm − β·Δsent −
+    residual; else θ as the round ended) and the step lands under what they added:
+    θ = (φ' − residual) + (θ − S), one subtraction and one addition, bit for bit."""
     late, on_time = trainer(0, compression=compression), trainer(0, compression=compression)
     other = trainer(1, compression=compression)
     for t in (late, on_time, other):
         t.inner_steps()
     wire = other.outer_payload() if partner else None
     assert torch.equal(late.outer_payload(), on_time.outer_payload())
-    late.hold_round_end()
     ended = [p.clone() for p in late.theta()]
+    late.hold_round_end(eager=eager)
+    start = [p.detach().clone() for p in late.model.parameters()]
+    if eager:
+        residual = late.codec_state.get("residual")
+        lefts = torch.split(residual, [p.numel() for p in late.phi]) if residual is not None else [0.0] * len(start)
+        alpha, beta = late.outer.alpha, late.outer.beta
+        guess = [
+            p + (alpha * m - beta * d) - (left.view_as(p) if isinstance(left, torch.Tensor) else 0.0)
+            for p, m, d, left in zip(late.phi, late.momentum, late.own_delta(), lefts, strict=True)
+        ]
+        assert all(torch.equal(a, b) for a, b in zip(start, guess, strict=True))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(start, ended, strict=True))
     late.inner_steps(3)  # the next round's first steps, while the exchange would travel
     moved = [p.detach().clone() for p in late.model.parameters()]
-    assert not all(torch.equal(a, b) for a, b in zip(moved, ended, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(moved, start, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(late.theta(), ended, strict=True))  # Δ stays the round's
     assert late.apply_noloco(wire) is partner and on_time.apply_noloco(wire) is partner
     for ours, theirs in ((late.phi, on_time.phi), (late.momentum, on_time.momentum)):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-    expected = [m - e + t for m, e, t in zip(moved, ended, on_time.theta(), strict=True)]
+    expected = [m - s + t for m, s, t in zip(moved, start, on_time.theta(), strict=True)]
     assert all(torch.equal(a, b) for a, b in zip(late.theta(), expected, strict=True))
     assert late.round == on_time.round == 1 and late.step == on_time.step + 3
     assert late.codec_state.keys() == on_time.codec_state.keys()

@@ -10,6 +10,7 @@ import torch
 import trio
 
 from node.supervisor import WorkerConnection, attach_block
+from training import checkpoint
 from training.settings import InnerConfig, OuterConfig, RunSettings
 from training.worker_config import WorkerConfig
 
@@ -87,6 +88,8 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         outer = await receive(worker)
         wait_s = outer.pop("wait_s")  # how long it waited for our word: its own clock
         assert isinstance(wait_s, float) and wait_s >= 0
+        # Steps of the next round taken before it: as many as our word took (at most 2 of 5).
+        assert outer.pop("overlapped") in (range(3) if round_index < 2 else [0])
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
         assert outer == {**expected, "rejected": None, "drifted": False}
     assert losses[-1] < losses[0]
@@ -162,6 +165,7 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     }
     done = await receive(worker)
     assert isinstance(done.pop("wait_s"), float)
+    assert done.pop("overlapped") == 0  # the run's last round: nothing follows it
     assert done == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
@@ -185,6 +189,10 @@ async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path, overl
         message = await receive(worker)
         seen[message["t"]] = message
     assert seen["saved"]["round"] == 0 and seen["saved"]["save_error"] is None
+    _, meta = checkpoint.load(path)
+    # Written when round 0's step landed: its end's step count, and the steps taken before
+    # it (as many as the daemon's word took to come, at most half the round's 5).
+    assert meta["step"] == 5 and meta.get("overlapped", 0) in (range(3) if overlap else [0])
     lost = seen["round_done"]
     assert lost["round"] == 1
     worker.process.kill()  # mid-round 1: that round is done again
@@ -331,6 +339,41 @@ def test_a_control_message_of_a_strange_type_is_an_ipc_error() -> None:
     for body in (bytes.fromhex("82a17601a17490"), bytes.fromhex("82a17601a17480"), b"\x91\x01"):
         with pytest.raises(ipc.IpcError):
             ipc.decode(body, ipc.DAEMON_TYPES)
+
+
+def test_commands_are_read_as_they_come_and_the_pipes_end_is_raised_to_every_caller() -> None:
+    """The worker's command reader (a thread on an unbuffered pipe, frames split across
+    reads): whole messages in order, nothing waiting once they are taken, and the pipe's
+    end an IpcError each time it is asked after."""
+    import os
+
+    from training import ipc
+
+    read_fd, write_fd = os.pipe()
+    with open(read_fd, "rb", buffering=0) as stream:
+        reader = ipc.CommandReader(stream)
+        assert not reader.waiting()
+        frames = ipc.encode("outer_go", {"round": 3, "peer": True}) + ipc.encode("stop", {})
+        for k in range(0, len(frames), 5):  # in pieces, as a pipe may deliver them
+            os.write(write_fd, frames[k : k + 5])
+        assert reader.get() == {"t": "outer_go", "v": 1, "round": 3, "peer": True}
+        assert reader.get() == {"t": "stop", "v": 1}
+        assert not reader.waiting()
+        os.close(write_fd)
+        for _ in range(2):
+            with pytest.raises(ipc.IpcError, match="closed"):
+                reader.get()
+
+
+def test_inner_steps_stop_when_told_before_a_step() -> None:
+    """Overlapped rounds take steps until the daemon's word is there: ``until`` is asked
+    before each step, and the loss is the mean of the steps taken."""
+    from tests.test_trainer import trainer
+
+    t = trainer(0)
+    assert t.inner_steps(5, until=lambda: True) == 0.0 and t.step == 0
+    loss = t.inner_steps(5, until=lambda: t.step >= 2)
+    assert t.step == 2 and loss > 0
 
 
 async def test_a_full_disk_is_a_clear_error_and_a_retry_not_a_crash(short_tmp: Path) -> None:

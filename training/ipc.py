@@ -18,15 +18,15 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     wait_s}
+                                     wait_s, overlapped}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
                                      with a ban unless drifted: not far past the bounds;
                                      wait_s: how long the worker waited for these commands.
-                                     With outer.overlap the worker reads them only after the
-                                     next round's first steps: the daemon's messages wait in
-                                     the pipe meanwhile, and the worker's next inner_done
-                                     comes after this outer_done)
+                                     With outer.overlap the worker takes the next round's
+                                     steps until they come (at most its share of the round):
+                                     overlapped says how many; its next inner_done comes
+                                     after this outer_done)
                                  ◀── {t: "saved", round, save_error} (with a checkpoint
                                      path: the state after ``round`` is on disk, written in
                                      the background, training/saver.py: at any point before
@@ -77,6 +77,7 @@ No torch here: the daemon imports this module and never imports torch. Tensors m
 through shared memory, never through this pipe, and nothing is pickled.
 """
 
+import queue
 import threading
 from collections.abc import Mapping
 from typing import Any, BinaryIO
@@ -136,16 +137,66 @@ def decode(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
 
 def read_blocking(stream: BinaryIO, allowed: frozenset[str]) -> dict[str, Any]:
     """Read one message from a blocking file (the worker's side)."""
-    header = stream.read(LENGTH_NBYTES)
+    header = _read_exactly(stream, LENGTH_NBYTES)
     if len(header) < LENGTH_NBYTES:
         raise IpcError("control pipe closed")
     nbytes = int.from_bytes(header, "big")
     if nbytes > MAX_FRAME_NBYTES:
         raise IpcError(f"control frame of {nbytes} bytes")
-    body = stream.read(nbytes)
+    body = _read_exactly(stream, nbytes)
     if len(body) < nbytes:
         raise IpcError("control pipe closed mid-message")
     return decode(body, allowed)
+
+
+def _read_exactly(stream: BinaryIO, nbytes: int) -> bytes:
+    """``nbytes`` bytes, fewer only at the end of the stream (an unbuffered one may return
+    less than asked for in one read)."""
+    data = b""
+    while len(data) < nbytes:
+        chunk = stream.read(nbytes - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+class CommandReader:
+    """The daemon's commands, read by a thread of the worker's own as they come, so its
+    round loop can ask between two inner steps whether one is waiting (overlapped rounds:
+    training/algorithms/rounds.py). A malformed message or the pipe's end is raised by
+    ``get``, as ``read_blocking`` would, to every later caller too. ``stream`` should be
+    unbuffered (the worker's stdin is: training/worker.py): the thread is still reading when
+    the worker exits, and a buffered reader's lock held then aborts the interpreter."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._queue: queue.SimpleQueue[dict[str, Any] | IpcError] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="commands", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: BinaryIO) -> None:
+        while True:
+            try:
+                message = read_blocking(stream, DAEMON_TYPES)
+            except IpcError as exc:
+                self._queue.put(exc)
+                return
+            except (OSError, ValueError) as exc:  # the pipe closed under us
+                self._queue.put(IpcError(f"control pipe: {exc}"))
+                return
+            self._queue.put(message)
+
+    def waiting(self) -> bool:
+        """Whether a command (or the pipe's end) is there to be taken without waiting."""
+        return not self._queue.empty()
+
+    def get(self) -> dict[str, Any]:
+        """The next command, waiting for it."""
+        item = self._queue.get()
+        if isinstance(item, IpcError):
+            self._queue.put(item)
+            raise item
+        return item
 
 
 _writing = threading.Lock()

@@ -86,11 +86,12 @@ class OuterConfig:
     gamma: float = 0.7
     """Pull γ of our slow weights towards the pair's mean (NoLoCo only)."""
     overlap: float = 0.5
-    """The share of the next round's inner steps taken before a round's outer step is
-    applied (NoLoCo, DiLoCo, local): its exchange travels meanwhile, and the outer step
-    lands under the steps taken since (training/algorithms/rounds.py). 0: the worker waits
-    at every round boundary (a barrier), as before. SPES waits at each boundary whatever
-    this says (its experts change owner there)."""
+    """At most this share of the next round's inner steps is taken before a round's outer
+    step lands (NoLoCo, DiLoCo, local): the worker trains on while its exchange travels,
+    and makes the step as soon as the daemon's word is there, under the steps taken since
+    (training/algorithms/rounds.py); past that share it waits. 0: the worker waits at every
+    round boundary (a barrier), as before. SPES waits at each boundary whatever this says
+    (its experts change owner there)."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):

@@ -13,6 +13,7 @@ is kept (``sent``) and stands in for its own φ and Δ in the outer step.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,9 +100,13 @@ class Trainer:
         self.last_rejection_drifted = False
         """The last refusal was of a replica that drifted, not of an attack (a point, no ban)."""
         self._round_end: list[torch.Tensor] | None = None
-        self._landing = False
         """θ as the last round ended, while the next round's first inner steps run before
         its outer step (``hold_round_end``); ``theta()`` is this then."""
+        self._overlap_start: list[torch.Tensor] | None = None
+        """Where those steps started from: the outer step lands under what they added to it."""
+        self._landing = False
+        self.landing_steps = 0
+        """With ``landing``: how many steps to take before ``land`` (as many as before the save)."""
         self.expert_load: list[float] | None = None
         """A mixture of experts: each expert's share of the routed tokens over the last
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
@@ -122,9 +127,12 @@ class Trainer:
             "total_params": sum(p.numel() for p in self.model.parameters()),
             "grad_bytes": sum(p.grad.nbytes for p in self.model.parameters() if p.grad is not None),
             "optimizer_state_bytes": sum(
-                t.nbytes for t in (*adam, *self.momentum, *self.phi, *self._codec_tensors(), *(self._round_end or []))
+                t.nbytes for t in (*adam, *self.momentum, *self.phi, *self._codec_tensors(), *self._overlap_tensors())
             ),
         }
+
+    def _overlap_tensors(self) -> list[torch.Tensor]:
+        return [*(self._round_end or []), *(self._overlap_start or [])]
 
     def _codec_tensors(self) -> list[torch.Tensor]:
         return [t for t in self.codec_state.values() if isinstance(t, torch.Tensor)]
@@ -134,14 +142,17 @@ class Trainer:
         context_len = self.shard.train.shape[1] - 1  # a block is its inputs and one more target
         return self.inner.steps_per_round * self.inner.batch_size * context_len
 
-    def inner_steps(self, steps: int | None = None) -> float:
-        """``steps`` (H if None) AdamW steps on θ; returns their mean training loss."""
+    def inner_steps(self, steps: int | None = None, *, until: Callable[[], bool] | None = None) -> float:
+        """``steps`` (H if None) AdamW steps on θ, fewer if ``until()`` says so before one;
+        returns the mean training loss of those taken (0.0 for none)."""
         self.model.train()
         # The losses add up where they are (float64, as Python floats would: the same sum on
         # a CPU) and are read once: a read per step waits for the GPU each step.
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = self.inner.steps_per_round if steps is None else steps
-        for _ in range(count):
+        count = 0
+        for _ in range(self.inner.steps_per_round if steps is None else steps):
+            if until is not None and until():
+                break
             inputs, targets = self._batch()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
                 loss = self._loss(inputs, targets)
@@ -151,6 +162,7 @@ class Trainer:
             self.optimizer.step()
             total += loss.detach().double()
             self.step += 1
+            count += 1
         return float(total.item()) / count if count else 0.0
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,35 +199,51 @@ class Trainer:
         return [p.detach() for p in self._params]
 
     @torch.no_grad()
-    def hold_round_end(self) -> None:
-        """The round's payload is out; inner steps go on before its outer step: θ as the round
-        ended is kept (one more copy of the outer weights), the outer step is made of it, and
-        lands under the steps taken since: θ ← φ' (− the encoding's residual) + (θ − θ_end),
-        as if it had come on time and those steps had followed it (their gradients taken
-        from where θ was: the staleness of overlapping, bounded by the overlap's steps)."""
-        if self._round_end is None:
-            self._round_end = [p.detach().clone() for p in self._params]
+    def hold_round_end(self, *, eager: bool) -> None:
+        """The round's payload is out; inner steps go on before its outer step. θ as the round
+        ended is kept: the outer step is made of it when it comes. The steps go on from a
+        start S and the step lands under what they added: θ ← φ' (− the encoding's residual)
+        + (θ − S), as if it had come on time and those steps had followed it from there (the
+        staleness of overlapping: their gradients taken at S, not at φ'). ``eager``: S is our
+        own outer step alone, our Δ as sent standing in for the mean (eager updates, arXiv
+        2502.12996): nearer φ' than θ_end, which it is otherwise (the local baseline's φ'
+        is θ_end). Two more copies of the outer weights while it lasts (θ_end and S)."""
+        self._round_end = [p.detach().clone() for p in self._params]
+        if not eager:
+            self._overlap_start = [t.clone() for t in self._round_end]
+            return
+        residual = self.codec_state.get("residual")
+        lefts = [None] * len(self.phi) if residual is None else torch.split(residual, self._numels[: len(self.phi)])
+        start = []
+        for param, phi, m, d, left in zip(self._params, self.phi, self.momentum, self.own_delta(), lefts, strict=True):
+            s = phi + (self.outer.alpha * m - self.outer.beta * d)
+            if left is not None:
+                s -= left.view_as(phi)
+            param.copy_(s)
+            start.append(s)
+        self._overlap_start = start
 
     def round_end_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint takes of the round's end when its outer step lands later: AdamW's
-        moments and θ then (``round_end.<k>``; its step count is the caller's). With the
-        outer step's result (``state``), a restart does the overlapped steps again from there
-        and lands the same step on them, bit for bit (``restore``, ``land``)."""
-        assert self._round_end is not None, "hold_round_end() first"
+        moments then, and the overlapped steps' start S (``overlap_start.<k>``; the step count
+        is the caller's). With the outer step's result (``state``), a restart takes the
+        overlapped steps again from S and lands the same step on them, bit for bit
+        (``restore``, ``land``)."""
+        assert self._overlap_start is not None, "hold_round_end() first"
         tensors, _ = self.state()
         kept = {name: t for name, t in tensors.items() if name.startswith("adam.")}
-        kept.update({f"round_end.{k}": t for k, t in enumerate(self._round_end)})
+        kept.update({f"overlap_start.{k}": t for k, t in enumerate(self._overlap_start)})
         return kept
 
     @property
     def landing(self) -> bool:
-        """Restored from a checkpoint written mid-overlap: θ is the round's end, and the outer
-        step (φ, m, the residual restored) lands after the overlapped steps (``land``)."""
+        """Restored from a checkpoint written mid-overlap: θ is the overlapped steps' start,
+        and the outer step (φ, m, the residual restored) lands after them (``land``)."""
         return self._landing
 
     @torch.no_grad()
     def land(self) -> None:
-        """The restored outer step onto the steps taken since the round's end."""
+        """The restored outer step onto the steps taken since the overlap's start."""
         assert self._landing
         self._landing = False
         self._load_phi_into_theta()
@@ -351,6 +379,9 @@ class Trainer:
         round_index, step = meta.get("round"), meta.get("step")
         if not (isinstance(round_index, int) and isinstance(step, int) and round_index >= 0 and step >= 0):
             raise CheckpointError("checkpoint has no valid round and step")
+        overlapped = meta.get("overlapped", 0)
+        if not (type(overlapped) is int and 0 <= overlapped <= self.inner.steps_per_round):
+            raise CheckpointError(f"checkpoint's overlapped steps {overlapped!r} are not of a round")
         adam: dict[int, dict[str, torch.Tensor]] = {}
         for k, param in enumerate(self._params):
             for key in ("phi", "momentum"):
@@ -368,11 +399,12 @@ class Trainer:
             ):
                 raise CheckpointError(f"checkpoint's optimizer state {k} does not fit this model")
             adam[k] = moments
-        ends = [tensors.get(f"round_end.{k}") for k in range(len(self._params))]
-        if any(e is not None for e in ends) and not all(
-            e is not None and e.shape == p.shape and e.dtype == p.dtype for e, p in zip(ends, self._params, strict=True)
+        starts = [tensors.get(f"overlap_start.{k}") for k in range(len(self._params))]
+        if any(e is not None for e in starts) and not all(
+            e is not None and e.shape == p.shape and e.dtype == p.dtype
+            for e, p in zip(starts, self._params, strict=True)
         ):
-            raise CheckpointError("checkpoint's round_end does not fit this model")
+            raise CheckpointError("checkpoint's overlap_start does not fit this model")
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
             raise CheckpointError("checkpoint holds NaN or Inf")
         self.phi = [tensors[f"phi.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
@@ -384,7 +416,8 @@ class Trainer:
                 key: m.clone() if key == "step" else m.to(self.device, copy=True) for key, m in state.items()
             }
         self.round, self.step = round_index, step
-        self._round_end, self._landing = None, False
+        self._round_end, self._overlap_start, self._landing = None, None, False
+        self.landing_steps = 0
         self._sent = None
         self._sent_flat = None
         self._wire = None
@@ -395,14 +428,14 @@ class Trainer:
             for name, value in tensors.items()
             if name.startswith("encoding.") and value.dtype == torch.float32 and value.shape == fits
         }
-        if not ends or ends[0] is None:
+        if not starts or starts[0] is None:
             self._load_phi_into_theta()
             return
-        # Written mid-overlap: θ as the round ended; the outer step lands after the steps.
-        self._round_end = [e.to(self.device, copy=True) for e in ends if e is not None]
-        for param, end in zip(self._params, self._round_end, strict=True):
-            param.copy_(end)
-        self._landing = True
+        # Written mid-overlap: θ at the overlapped steps' start; the step lands after them.
+        self._overlap_start = [e.to(self.device, copy=True) for e in starts if e is not None]
+        for param, start in zip(self._params, self._overlap_start, strict=True):
+            param.copy_(start)
+        self._landing, self.landing_steps = True, overlapped
 
     def _load_phi_into_theta(self) -> None:
         # Checked before θ takes them: non-finite weights (our own divergence) end this worker
@@ -412,10 +445,10 @@ class Trainer:
         residual = self.codec_state.get("residual")
         # What the payload left out of Δ stays in θ (sparseloco): θ ← φ − (Δ − sent).
         lefts = [None] * len(self.phi) if residual is None else torch.split(residual, self._numels[: len(self.phi)])
-        ends, self._round_end = self._round_end, None
+        starts, self._overlap_start, self._round_end = self._overlap_start, None, None
         for k, (param, phi, left) in enumerate(zip(self._params, self.phi, lefts, strict=True)):
             target = phi if left is None else phi - left.view_as(phi)
-            if ends is None:
+            if starts is None:
                 param.copy_(target)
-            else:  # the steps taken since the round ended stay: θ ← target + (θ − θ_end)
-                param.sub_(ends[k]).add_(target)
+            else:  # the steps taken since the overlap's start stay: θ ← target + (θ − S)
+                param.sub_(starts[k]).add_(target)

@@ -96,8 +96,11 @@ def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     config = WorkerConfig.from_json(sys.argv[1])
+    # Unbuffered: a thread reads the commands (ipc.CommandReader) and is still blocked in a
+    # read when the worker exits; a buffered stdin's lock held then aborts the interpreter.
+    commands = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)  # noqa: SIM115
     try:
-        run(config, sys.stdin.buffer, sys.stdout.buffer)
+        run(config, commands, sys.stdout.buffer)
     except ipc.IpcError as exc:
         logger.info("daemon went away or misbehaved: %s", exc)
 

@@ -32,6 +32,8 @@ class TrainingMetrics:
     """How long the worker waited for the daemon's word to apply its outer steps (its own
     measure, ``outer_done``'s ``wait_s``): the whole exchange with a barrier, what the
     overlapped inner steps did not hide without one (``outer.overlap``)."""
+    overlapped_steps: int = 0
+    """Inner steps the worker took before a round's outer step landed (``outer.overlap``)."""
     train_wall_s: float = 0.0
     """From the first worker's "ready" to the last outer step: compute_s / train_wall_s is
     the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""

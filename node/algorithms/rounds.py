@@ -264,6 +264,8 @@ class PayloadRounds:
                     metrics.rounds += 1
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
+                    overlapped = message.get("overlapped")
+                    metrics.overlapped_steps += overlapped if type(overlapped) is int and overlapped >= 0 else 0
                     wait_s = message.get("wait_s")
                     if isinstance(wait_s, float) and 0.0 <= wait_s < math.inf:
                         metrics.sync_wait_s += wait_s

@@ -27,4 +27,5 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
         replies,
         outer,
         overlap_steps=config.run.outer.overlap_steps(config.run.inner.steps_per_round),
+        eager=False,  # φ' is θ as the round ended: the steps start there
     )

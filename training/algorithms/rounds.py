@@ -7,19 +7,24 @@ peer payload it put in the inbox (each checked like any partner payload, kept or
 refused); then the algorithm's outer step, a checkpoint (written in the background:
 training/saver.py), ``outer_done``.
 
-Overlapped rounds (``outer.overlap``, the default 0.5; SPES and a run's last round wait): the
-worker does not wait for the daemon's commands at the round's end. It keeps θ as the round
-ended, takes the next round's first ``overlap_steps`` steps while the daemon pairs and the
-payloads travel, and only then reads the commands and makes the outer step, of θ as the
-round ended (the payload's φ and Δ, bit for bit what a barrier would have stepped on); the
-step lands under the steps taken since (``Trainer.hold_round_end``), which keeps their
-progress whole, their gradients one outer step stale. Streaming DiLoCo (arXiv 2501.18512)
-overlaps the same way but mixes the local and the new weights half and half; eager updates
-(arXiv 2502.12996) stand our own Δ in for the partners' meanwhile: neither is done here. The network's time is
-hidden up to those steps' time; the worker's wait beyond it is ``outer_done``'s ``wait_s``.
-The round still has H steps. The checkpoint written when the step lands holds the round's
-end (θ and AdamW's moments then, staged when it ended) besides the step's result: a restart
-takes the overlapped steps again and lands the same step on them, bit for bit.
+Overlapped rounds (``outer.overlap``, at most half a round by default; SPES and a run's last
+round wait): the worker does not wait for the daemon's commands at a round's end. It keeps θ
+as the round ended and trains on into the next round while the daemon pairs and the payloads
+travel, asking before each step whether the daemon's word is there (``ipc.CommandReader``, a
+thread); once it is (or after ``overlap_steps`` steps: then it waits), it makes the outer
+step of θ as the round ended (the payload's φ and Δ: bit for bit what a barrier would have
+stepped on) and lands it under what the steps since added (``Trainer.hold_round_end``). The
+steps start from our own outer step alone (our Δ as sent standing in for the mean: the
+eager updates of arXiv 2502.12996), so their gradients are stale only by how far the
+partner's share moves the step; the local baseline starts from θ as the round ended (its
+step keeps it). Measured (docs/training.md): steps taken from θ as the round ended, half a
+round each, cost 10% of the final loss; from our own step, 5%; as many as the word took,
+none measurable. Streaming DiLoCo (arXiv 2501.18512) overlaps too, mixing the local and the
+new weights half and half instead. The round still has H steps; ``outer_done`` says how long
+the worker waited (``wait_s``) and how many steps it overlapped (``overlapped``). The
+checkpoint written when the step lands holds the overlap's start and AdamW's moments at the
+round's end (staged then) besides the step's result, and the count of overlapped steps: a
+restart takes as many again and lands the same step on them, bit for bit.
 """
 
 import dataclasses
@@ -128,8 +133,8 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
         if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.rounds):
             raise checkpoint.CheckpointError(f"round {meta.get('round')!r} is not one of this run's")
         # Not the peer's encoding state: its error feedback is what the peer has yet to send;
-        # nor its θ at a round's end (written mid-overlap): we start from its outer step's φ.
-        trainer.restore({k: v for k, v in tensors.items() if not k.startswith(("encoding.", "round_end."))}, meta)
+        # nor where its overlapped steps started (written mid-overlap): we start from its φ.
+        trainer.restore({k: v for k, v in tensors.items() if not k.startswith(("encoding.", "overlap_start."))}, meta)
     except checkpoint.CheckpointError as exc:
         logger.warning("a peer's state %s is unusable (%s); starting from round 0", config.start_from, exc)
         return
@@ -153,19 +158,21 @@ def save(
     round_index: int,
     *,
     last: bool,
-    held_step: int | None = None,
+    held: tuple[int, int] | None = None,
 ) -> None:
     """The state after an outer step (never a non-finite one: the step refuses those
     first), written in the background (training/saver.py); the run's last round's is
     written before its ``outer_done``, so the daemon has it when its run is over.
-    ``held_step``: the step landed under overlapped steps; the round's end (AdamW's moments,
-    θ, this step count) was staged when it ended (``Trainer.round_end_state``)."""
+    ``held``: the step landed under overlapped steps: (the step count at the round's end,
+    the steps taken since); the round's end (AdamW's moments, the overlap's start) was
+    staged when it ended (``Trainer.round_end_state``), and a restart takes as many steps
+    before it lands the step (``Trainer.restore``)."""
     if saver is None:
         return
     tensors, meta = trainer.state()
-    if held_step is not None:
+    if held is not None:
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
-        meta = {**meta, "step": held_step}
+        meta = {**meta, "step": held[0], "overlapped": held[1]}
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()})
     if last:
         saver.wait()
@@ -174,22 +181,24 @@ def save(
 def _outer_round(
     config: WorkerConfig,
     trainer: Trainer,
-    commands: BinaryIO,
+    reader: ipc.CommandReader,
     replies: BinaryIO,
     outer: OuterStep,
     in_view: torch.Tensor,
     saver: BackgroundSaver | None,
     round_index: int,
-    held_step: int | None = None,
+    held: tuple[int, int] | None = None,
 ) -> bool:
     """The daemon's commands for round ``round_index`` until ``outer_go``, then its outer
     step, checkpoint and ``outer_done`` (with ``wait_s``: how long the worker waited for
-    the commands, its time not training). False: the daemon said stop."""
+    the commands, its time not training). ``held``: the step lands under overlapped steps
+    (the step count at the round's end, and how many were taken since). False: the daemon
+    said stop."""
     collected: dict[str, list[torch.Tensor]] = {}
     wait_s = 0.0
     while True:
         asked = time.perf_counter()
-        command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+        command = reader.get()
         wait_s += time.perf_counter() - asked
         if command["t"] == "stop":
             return False
@@ -206,7 +215,7 @@ def _outer_round(
             replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
         )
     result = outer(trainer, command, in_view, collected)
-    save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held_step=held_step)
+    save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held=held)
     ipc.write_blocking(
         replies,
         "outer_done",
@@ -215,6 +224,7 @@ def _outer_round(
         rejected=result.rejected,
         drifted=result.drifted,
         wait_s=wait_s,
+        overlapped=0 if held is None else held[1],
         **result.extra,
     )
     return True
@@ -229,11 +239,14 @@ def run_rounds(
     opening: Callable[[], Opening] | None = None,
     *,
     overlap_steps: int = 0,
+    eager: bool = True,
 ) -> None:
     """Resume, then rounds until the run's last, with shared-memory out- and inboxes.
     ``opening``: called once resumed, for what the algorithm adds before the first round.
     ``overlap_steps``: of each round after the first, the inner steps taken before the last
-    round's outer step (``OuterConfig.overlap``; 0: a barrier at every round's end)."""
+    round's outer step (``OuterConfig.overlap``; 0: a barrier at every round's end); ``eager``:
+    they start from our own outer step alone, not from θ as the round ended (which the
+    local baseline's outer step keeps: ``Trainer.hold_round_end``)."""
     asked = ask_start_from(config, commands, replies)
     if asked is None:
         return
@@ -256,6 +269,7 @@ def run_rounds(
                 None if opening is None else opening(),
                 saver,
                 overlap_steps,
+                eager,
             )
     finally:
         if saver is not None:
@@ -276,11 +290,13 @@ def _rounds(
     opening: Opening | None,
     saver: BackgroundSaver | None,
     overlap_steps: int,
+    eager: bool,
 ) -> None:
     # Tensors over the shared blocks live only in this frame, and are deleted on the way
     # out, so a traceback holding the frame cannot keep the blocks exported (close() fails).
     out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
     in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=trainer.payload_nbytes)
+    reader = ipc.CommandReader(commands)
     try:
         ipc.write_blocking(
             replies,
@@ -293,7 +309,7 @@ def _rounds(
             **({} if opening is None else opening.ready_fields),
         )
         if opening is not None and trainer.round < config.run.rounds:
-            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+            command = reader.get()
             if command["t"] == "stop":
                 return
             if command["t"] != "setup":
@@ -302,25 +318,30 @@ def _rounds(
         steps = config.run.inner.steps_per_round
         early = overlap_steps if 0 < overlap_steps <= steps else 0
         pending: tuple[int, int] | None = None
-        """A round whose outer step comes after ``early`` steps of the next round, and the
-        step count at its end."""
+        """A round whose outer step is still to come, and the step count at its end."""
         for round_index in range(trainer.round, config.run.rounds):
             compute_s, loss_sum, rest = 0.0, 0.0, steps
             started = time.perf_counter()
             if trainer.landing:  # resumed from a checkpoint written mid-overlap: as it went
-                loss_sum, rest = trainer.inner_steps(early) * early, steps - early
+                taken = trainer.landing_steps
+                loss_sum, rest = trainer.inner_steps(taken) * taken, steps - taken
                 trainer.land()
-            elif pending is not None:  # the last round's exchange went on during these steps
-                loss_sum, rest = trainer.inner_steps(early) * early, steps - early
+            elif pending is not None:  # the last round's exchange goes on during these steps
+                ended_round, ended_step = pending
+                # Until the daemon's word for that round is here (or at most ``early`` steps).
+                mean = trainer.inner_steps(early, until=reader.waiting)
+                taken = trainer.step - ended_step
+                loss_sum, rest = mean * taken, steps - taken
                 compute_s += time.perf_counter() - started
-                if not _outer_round(config, trainer, commands, replies, outer, in_view, saver, *pending):
+                held = (ended_step, taken)
+                if not _outer_round(config, trainer, reader, replies, outer, in_view, saver, ended_round, held):
                     return
                 pending, started = None, time.perf_counter()
             train_loss = (loss_sum + trainer.inner_steps(rest) * rest) / steps
             # The outbox may still be read by a peer pulling last round's payload: the
             # daemon says when it is ours to overwrite.
             ipc.write_blocking(replies, "inner_done", round=round_index)
-            command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
+            command = reader.get()
             if command["t"] == "stop":
                 return
             if command["t"] != "outbox_free" or command.get("round") != round_index:
@@ -342,12 +363,12 @@ def _rounds(
                 expert_load=trainer.expert_load,
             )
             if early and round_index + 1 < config.run.rounds:
-                trainer.hold_round_end()  # the next round's first steps go on meanwhile
+                trainer.hold_round_end(eager=eager)  # the next round's first steps go on meanwhile
                 if saver is not None:
                     saver.stage(trainer.round_end_state())
                 pending = (round_index, trainer.step)
-            elif not _outer_round(config, trainer, commands, replies, outer, in_view, saver, round_index):
+            elif not _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index):
                 return
-        ipc.read_blocking(commands, ipc.DAEMON_TYPES)  # the daemon's "stop" (or EOF)
+        reader.get()  # the daemon's "stop" (or EOF)
     finally:
         del out_view, in_view
