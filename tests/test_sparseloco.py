@@ -191,3 +191,22 @@ def test_the_residual_is_in_our_checkpoint_but_not_in_a_joiners_start(tmp_path: 
     start_from_peer(WorkerConfig(run=run, start_from=str(path)), joiner)
     assert joiner.round == a.round and "residual" not in joiner.codec_state
     assert all(torch.equal(x, y) for x, y in zip(joiner.theta(), a.phi, strict=True))
+
+
+def test_a_chunks_picks_are_its_largest_and_split_in_halves_by_magnitude() -> None:
+    """Each chunk sends its k largest magnitudes, in index order, each coded with its sign
+    and whether it is in the upper half of the picks by magnitude (against the two halves'
+    means): checked against a plain sort of every row."""
+    from training.encodings.sparseloco import _select
+
+    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    k = 16
+    indices, codes, lower, upper = _select(rows, k)
+    for r in range(rows.shape[0]):
+        order = torch.argsort(rows[r].abs(), descending=True)
+        assert indices[r].tolist() == sorted(order[:k].tolist())
+        top = set(order[: k - k // 2].tolist())
+        expected = [(int(rows[r, i] < 0) | (int(i in top) << 1)) for i in indices[r].tolist()]
+        assert codes[r].tolist() == expected
+        assert torch.allclose(upper[r], rows[r, order[: k - k // 2]].abs().mean())
+        assert torch.allclose(lower[r], rows[r, order[k - k // 2 : k]].abs().mean())

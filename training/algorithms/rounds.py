@@ -48,13 +48,22 @@ logger = logging.getLogger("training.worker")
 
 VAL_BATCHES = 8
 """Validation batches of the first and the last round: the loss curve's ends, and the final loss."""
-VAL_BATCHES_BETWEEN = 2
-"""Of every other round (the same first batches each time): a round of 10 steps spent ~25%
-of its compute on 8 (forwards of 8 batches against 10 forward-backward steps), most of the
-quarter of its time a worker was not training. Measured (`swarmtrain simulate --nodes 4
---rounds 30 --compression sparseloco --link-mbps 100 --set seed=1`, before and after in
-turn): median utilization 0.770 → 0.864, training wall time 184.6 → 158.5 s, final loss
-2.054 → 2.046 (the same 8 batches)."""
+VAL_STEPS_PER_BATCH = 10
+"""Of every other round, one validation batch (the same first ones each time) per this many
+inner steps, at least one: a forward is about a third of a step, so validation costs
+~3% of a round whatever H is. It was 8 batches a round, then 2: at H = 10 that was ~25%,
+then ~6% of a round's compute (one thread, tiny: 110 ms against 1.87 s of steps), most of
+what kept the worker's utilization under 0.9 once overlapped rounds hid the network.
+Measured (`swarmtrain simulate --nodes 4 --rounds 30 --compression sparseloco --link-mbps
+100 --set seed=1`, 8 → 2 batches, in turn): median utilization 0.770 → 0.864, training
+wall time 184.6 → 158.5 s, final loss 2.054 → 2.046 (the same 8 batches)."""
+
+
+def val_batches(round_index: int, config: WorkerConfig) -> int:
+    """How many validation batches round ``round_index`` ends with."""
+    if round_index in (0, config.run.rounds - 1):
+        return VAL_BATCHES
+    return min(VAL_BATCHES, max(1, config.run.inner.steps_per_round // VAL_STEPS_PER_BATCH))
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,8 +357,7 @@ def _rounds(
                 raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
             out_view.copy_(trainer.outer_payload())
             compute_s += time.perf_counter() - started
-            full = round_index in (0, config.run.rounds - 1)
-            val_loss = trainer.val_loss(max_batches=VAL_BATCHES if full else VAL_BATCHES_BETWEEN)
+            val_loss = trainer.val_loss(max_batches=val_batches(round_index, config))
             ipc.write_blocking(
                 replies,
                 "round_done",

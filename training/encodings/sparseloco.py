@@ -109,13 +109,16 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 def _select(chunk_values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunks (m, c) → (indices (m, k) ascending, codes (m, k), lower and upper magnitudes (m,))."""
-    _, picked = torch.topk(chunk_values.abs(), k, dim=1, sorted=False)
-    indices, _ = torch.sort(picked, dim=1)
+    # The upper half of the picks by magnitude: a second, smaller top-k (where magnitudes
+    # tie across the halves' border, either split gives the same two means).
+    picked_magnitudes, picked = torch.topk(chunk_values.abs(), k, dim=1, sorted=False)
+    half = k // 2
+    _, tops = torch.topk(picked_magnitudes, k - half, dim=1, sorted=False)
+    is_upper = torch.zeros_like(picked, dtype=torch.bool).scatter_(1, tops, True)
+    indices, order = torch.sort(picked, dim=1)  # in index order, as the bitmap lists them
     values = torch.gather(chunk_values, 1, indices)
     magnitudes = values.abs()
-    half = k // 2
-    rank = torch.argsort(torch.argsort(magnitudes, dim=1, stable=True), dim=1)
-    upper = rank >= half
+    upper = torch.gather(is_upper, 1, order)
     lower_mean = (magnitudes * ~upper).sum(dim=1) / max(half, 1)
     upper_mean = (magnitudes * upper).sum(dim=1) / (k - half)
     codes = (values < 0).to(torch.int64) | (upper.to(torch.int64) << 1)
