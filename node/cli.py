@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap every node's tensor uploads at MBIT Mbit/s, as a home uplink would (0: none, the default)",
     )
     sim.add_argument("--late-join", action="store_true", help="start the last node a quarter of the way in")
+    sim.add_argument(
+        "--slow-node",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="the last node trains F times slower, as a slower machine would (default 1: all alike)",
+    )
     sim.add_argument("--kill-after-s", type=float, metavar="S", help="SIGKILL the last node S s into training")
     sim.add_argument(
         "--topology",
@@ -187,6 +194,7 @@ def _command(args: argparse.Namespace) -> int:
                 symmetric_nats=args.symmetric_nats,
                 device=args.device,
                 link_mbps=args.link_mbps,
+                slow_node=args.slow_node,
             )
             return simulate(options)
     raise AssertionError(args.command)

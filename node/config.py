@@ -166,6 +166,9 @@ class TrainingConfig:
     """Longest wait for a NoLoCo partner at a round boundary; then the round goes on alone."""
     threads: int = 1
     """torch threads of the worker."""
+    slowdown: float = 1.0
+    """Simulations only (``simulate --slow-node``): the worker pauses after each inner step
+    so that it takes this many times as long, as a slower machine would; 1: no pause."""
     compile: str = "auto"
     """torch.compile the model: auto (on CUDA only), on, off."""
     data: str | None = None
@@ -180,6 +183,8 @@ class TrainingConfig:
         if not 0 <= self.shard_index < self.num_shards:
             raise ConfigError(f"training.shard_index: must be in [0, {self.num_shards}), got {self.shard_index}")
         _positive("training.pair_timeout_s", self.pair_timeout_s)
+        if not 1 <= self.slowdown <= 100:  # also refuses NaN
+            raise ConfigError(f"training.slowdown: must be between 1 and 100, got {self.slowdown!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -103,6 +103,7 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
         "--data", metavar="PATH", help="train on this text: a file, a folder of .txt/.md/.jsonl, or a saved HF dataset"
     )
     parser.add_argument("--data-shard", metavar="I/N", help="train on shard I of N")
+    parser.add_argument("--slowdown", type=float, metavar="F", help=argparse.SUPPRESS)  # simulate --slow-node
     # For supervisors (simulate): stop cleanly when the supervisor's end of our stdin closes.
     parser.add_argument("--stop-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
 
@@ -134,6 +135,7 @@ _FLAG_TO_FIELD = {
     "model": "run.settings.model",
     "compression": "run.settings.compression",
     "data": "training.data",
+    "slowdown": "training.slowdown",
 }
 
 

@@ -188,6 +188,7 @@ class TrainingService:
             node_index=config.shard_index,
             num_nodes=config.num_shards,
             threads=config.threads,
+            slowdown=config.slowdown,
             checkpoint_path=self._checkpoint_path,
             device=self._device,
             compile=config.compile,

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.algorithms.noloco.pairing import Pairing, _Round
+from node.algorithms.noloco.pairing import MAX_LAG, Pairing, _Round, catch_up_steps, lag_of
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -261,19 +261,51 @@ def pairing_round() -> "_Round":
 
 async def test_a_node_a_round_behind_pulls_its_peers_next_round() -> None:
     """A node whose worker started a moment late reaches each boundary after its peers moved
-    on: their outboxes hold the next round's payload, which it may pull (one round ahead,
-    never more), so it does not train alone and fall further behind."""
+    on: their outboxes hold a later round's payload, which it may pull (up to two rounds
+    ahead, never more), so it does not train alone and fall further behind."""
     async with nodes(3) as group:
         (a, pa), (b, pb), (_, pc) = group
         box = {i: (memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))) for i in range(3)}
-        for round_index in (0, 1, 2):  # a and b pair for rounds 0 to 2; their outboxes hold round 2
+        for round_index in (0, 1, 2, 3):  # a and b pair for rounds 0 to 3; their outboxes hold round 3
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda r=round_index: pa.find_partner(r, *box[0], [b.peer_id], timeout_s=20))
                 nursery.start_soon(lambda r=round_index: pb.find_partner(r, *box[1], [a.peer_id], timeout_s=20))
         with trio.fail_after(60):
-            # Two rounds behind is too far: nothing to pull, alone at once.
+            # Three rounds behind is too far: nothing to pull, alone at once.
             assert await pc.find_partner(0, *box[2], [a.peer_id, b.peer_id], timeout_s=600) is None
             assert bytes(box[2][1]) == bytes(NBYTES)
             pulled = await pc.find_partner(1, *box[2], [a.peer_id, b.peer_id], timeout_s=600)
             assert pulled in (a.peer_id, b.peer_id)
             assert pc.last_pulled and bytes(box[2][1]) in (bytes([1]) * NBYTES, bytes([2]) * NBYTES)
+
+
+def test_a_node_behind_its_peers_shortens_its_next_round_by_their_lead() -> None:
+    """H / (1 + lag) steps (at least 1, lag at most MAX_LAG), the lag the second-highest
+    round its peers told it (one peer claiming a far round cannot shorten our rounds)."""
+    assert [catch_up_steps(10, lag) for lag in (-1, 0, 1, 2, 3, 50)] == [10, 10, 5, 4, 3, 3]
+    assert catch_up_steps(1, 3) == 1
+    assert lag_of(5, {}, peers=3) == 0
+    assert lag_of(5, {"a": 4, "b": 5}, peers=3) == 0
+    assert lag_of(5, {"a": 7}, peers=1) == 2  # our only peer: its word
+    assert lag_of(5, {"a": 7}, peers=3) == 0  # one of three: not enough
+    assert lag_of(5, {"a": 1 << 40, "b": 6, "c": 5}, peers=3) == 1  # a liar ahead alone moves nothing
+    assert lag_of(5, {"liar": 1 << 40, "b": 5}, peers=3) == 0  # b accepted us: at our round
+    assert lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3) == MAX_LAG
+
+
+async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for() -> None:
+    """Asked for the round after its last boundary, a node answers "later" only when it
+    expects that boundary within half its round time; else "never", so the asker
+    goes on (a node at half speed among 4 kept the odd one of the others asking it for
+    ~25 s a round). Every busy answer says the answerer's round: the asker learns its lag."""
+    async with nodes(2) as group:
+        (_, pa), (b, pb) = group
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        pb._last_round, pb._boundary_at, pb._round_s = 0, trio.current_time(), 3600.0  # an hour from round 1
+        with trio.fail_after(60):  # without the answer, it asks until its bound: 600 s
+            assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
+        assert pa.lag == 0  # b is behind us, not ahead
+        pb._last_round, pb._boundary_at = 3, None  # b is at round 3 now: we are 2 behind
+        with trio.fail_after(60):
+            assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
+        assert pa.lag == 2 and catch_up_steps(10, pa.lag) == 4

@@ -233,7 +233,8 @@ def test_an_overlapped_outer_step_is_the_on_time_one_with_the_steps_since_on_top
     step is made of θ as the round ended (φ' and m' bit-identical to a trainer that stepped
     on time); the steps start from S (eager: our own outer step alone, φ + αm − β·Δsent −
     residual; else θ as the round ended) and the step lands under what they added:
-    θ = (φ' − residual) + (θ − S), one subtraction and one addition, bit for bit."""
+    θ = (φ' − residual) + (θ − S), one subtraction and one addition, bit for bit (θ as it
+    is where that target is S)."""
     late, on_time = trainer(0, compression=compression), trainer(0, compression=compression)
     other = trainer(1, compression=compression)
     for t in (late, on_time, other):
@@ -261,7 +262,53 @@ def test_an_overlapped_outer_step_is_the_on_time_one_with_the_steps_since_on_top
     assert late.apply_noloco(wire) is partner and on_time.apply_noloco(wire) is partner
     for ours, theirs in ((late.phi, on_time.phi), (late.momentum, on_time.momentum)):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-    expected = [m - s + t for m, s, t in zip(moved, start, on_time.theta(), strict=True)]
+    # Where the step is S itself (alone, eager: our own step was the step), θ stays as is.
+    expected = [m if torch.equal(s, t) else m - s + t for m, s, t in zip(moved, start, on_time.theta(), strict=True)]
     assert all(torch.equal(a, b) for a, b in zip(late.theta(), expected, strict=True))
     assert late.round == on_time.round == 1 and late.step == on_time.step + 3
     assert late.codec_state.keys() == on_time.codec_state.keys()
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "sparseloco"])
+@pytest.mark.parametrize("partner", [True, False])
+def test_a_restart_from_a_checkpoint_written_mid_overlap_lands_the_same_bit_for_bit(
+    compression: str, partner: bool
+) -> None:
+    """The checkpoint the worker writes when an overlapped step lands (the staged round end:
+    AdamW's moments and S; the step's result without AdamW; the round end's step count and
+    3 overlapped steps): a fresh trainer restored from it takes the 3 steps again, lands the
+    same step, and finishes the round with the weights of the one that never stopped."""
+    a, other = trainer(0, compression=compression), trainer(1, compression=compression)
+    for t in (a, other):
+        t.inner_steps()
+    wire = other.outer_payload() if partner else None
+    a.outer_payload()
+    a.hold_round_end(eager=True)
+    staged = {name: t.clone() for name, t in a.round_end_state().items()}
+    ended = a.step
+    a.inner_steps(3)
+    a.apply_noloco(wire)
+    tensors, meta = a.state()
+    kept = {name: t.clone() for name, t in tensors.items() if not name.startswith("adam.")}
+    saved = {**staged, **kept}
+    a.inner_steps(7)
+    b = trainer(0, compression=compression)
+    b.restore(saved, {**meta, "step": ended, "overlapped": 3})
+    assert b.landing and b.landing_steps == 3 and b.round == a.round
+    b.inner_steps(3)
+    b.land()
+    b.inner_steps(7)
+    assert b.step == a.step
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
+def test_the_local_baseline_overlapped_keeps_its_weights_as_they_are() -> None:
+    """Its step is φ' = θ as the round ended = S: landing it (θ − S + φ') would round θ."""
+    t = trainer(0)
+    t.inner_steps()
+    t.outer_payload()
+    t.hold_round_end(eager=False)
+    t.inner_steps(3)
+    moved = [p.detach().clone() for p in t.model.parameters()]
+    t.apply_local()
+    assert all(torch.equal(x, y) for x, y in zip(t.model.parameters(), moved, strict=True))

@@ -116,6 +116,29 @@ async def test_a_poisoned_inbox_is_refused_and_the_worker_carries_on() -> None:
     inbox.close()
 
 
+@pytest.mark.parametrize("overlap", [0.0, 0.5])
+async def test_a_round_takes_the_steps_the_daemon_says_when_catching_up(overlap: float) -> None:
+    """``outer_go``'s ``steps``: the next round's inner steps (fewer while the node catches
+    up with peers ahead of it); out of [1, H] it is H. The overlapped steps count in it."""
+    worker = await start_worker(algorithm="noloco", rounds=3, overlap=overlap)
+    await receive(worker)
+    first = await receive(worker)
+    assert (first["step"], first["tokens"] % 5) == (5, 0)
+    await worker.send("outer_go", round=0, peer=False, steps=2)
+    assert (await receive(worker))["t"] == "outer_done"
+    second = await receive(worker)
+    # 2 steps, or the overlapped ones if the word came later than 2 steps (at most 2 of 5).
+    assert second["round"] == 1 and second["step"] == 7
+    assert second["tokens"] == first["tokens"] * 2 // 5
+    await worker.send("outer_go", round=1, peer=False, steps=10**6)  # not a round's: H
+    assert (await receive(worker))["t"] == "outer_done"
+    third = await receive(worker)
+    assert third["step"] == 12 and third["tokens"] == first["tokens"]
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+
+
 async def test_the_worker_exits_quietly_when_its_daemon_goes_away() -> None:
     worker = await start_worker(algorithm="local", rounds=5)
     await receive(worker)

@@ -184,6 +184,9 @@ class CommandReader:
             except (OSError, ValueError) as exc:  # the pipe closed under us
                 self._queue.put(IpcError(f"control pipe: {exc}"))
                 return
+            except BaseException as exc:  # a bug: the round loop must not wait forever for it
+                self._queue.put(IpcError(f"the command reader failed: {type(exc).__name__}: {exc}"))
+                raise
             self._queue.put(message)
 
     def waiting(self) -> bool:
@@ -195,7 +198,7 @@ class CommandReader:
         item = self._queue.get()
         if isinstance(item, IpcError):
             self._queue.put(item)
-            raise item
+            raise IpcError(str(item)) from item  # a fresh one each time: no growing traceback
         return item
 
 

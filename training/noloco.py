@@ -69,16 +69,21 @@ class PartnerRefused(ValueError):
         self.drifted = drifted
 
 
-def check_partner(phi: Params, delta: Params, peer: "PeerTensors", bounds: PartnerBounds) -> None:
+def check_partner(
+    phi: Params, delta: Params, peer: "PeerTensors", bounds: PartnerBounds, *, scale: float = 1.0
+) -> None:
     """``PartnerRefused`` naming the tensor where ``peer`` strays furthest beyond ``bounds``
-    (the furthest, not the first: whether it bans depends on how far)."""
+    (the furthest, not the first: whether it bans depends on how far). ``scale``: our Δ
+    took 1/scale of a round's steps (a node catching up takes fewer: the partner's Δ over a
+    whole round was 6.6× ours at 3 of 10 steps, a second reader measured, against 2.2× at
+    10), so the reference is ours × scale."""
     numels = [d.numel() for d in delta]
     total_numel = sum(numels)
     norms = [float(torch.linalg.vector_norm(d.float())) for d in delta]
     total = math.sqrt(sum(n * n for n in norms))
     worst: tuple[float, str] | None = None  # (how many bounds away, why)
     for k, (p, d_norm, n_k) in enumerate(zip(phi, norms, numels, strict=True)):
-        ref = max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0
+        ref = scale * max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0
         their_delta = float(torch.linalg.vector_norm(peer.delta[k].float()))
         phi_gap = float(torch.linalg.vector_norm((peer.phi[k] - p).float()))
         for value, bound, why in (

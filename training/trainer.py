@@ -13,6 +13,7 @@ is kept (``sent``) and stands in for its own φ and Δ in the outer step.
 """
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +108,15 @@ class Trainer:
         self._landing = False
         self.landing_steps = 0
         """With ``landing``: how many steps to take before ``land`` (as many as before the save)."""
+        self.slowdown = 1.0
+        """A simulated slower machine (``simulate --slow-node``): each inner step is followed
+        by a pause of (slowdown − 1) × its time."""
+        self.next_round_steps = inner.steps_per_round
+        self.steps_this_round = inner.steps_per_round
+        """Inner steps the round whose payload is out took: a partner's Δ over H steps is
+        measured against ours scaled to H (``check_partner``'s ``scale``)."""
+        """Inner steps of the coming round: H, or fewer while the node catches up with peers
+        ahead of it (the daemon's word, node/algorithms/noloco/pairing.py ``catch_up_steps``)."""
         self.expert_load: list[float] | None = None
         """A mixture of experts: each expert's share of the routed tokens over the last
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
@@ -137,10 +147,10 @@ class Trainer:
     def _codec_tensors(self) -> list[torch.Tensor]:
         return [t for t in self.codec_state.values() if isinstance(t, torch.Tensor)]
 
-    def tokens_per_round(self) -> int:
-        """Tokens the inner steps of one round train on (a batch's inputs, H times)."""
+    def tokens_per_round(self, steps: int | None = None) -> int:
+        """Tokens the inner steps of one round train on (a batch's inputs, H times, or ``steps``)."""
         context_len = self.shard.train.shape[1] - 1  # a block is its inputs and one more target
-        return self.inner.steps_per_round * self.inner.batch_size * context_len
+        return (self.inner.steps_per_round if steps is None else steps) * self.inner.batch_size * context_len
 
     def inner_steps(self, steps: int | None = None, *, until: Callable[[], bool] | None = None) -> float:
         """``steps`` (H if None) AdamW steps on θ, fewer if ``until()`` says so before one;
@@ -153,6 +163,7 @@ class Trainer:
         for _ in range(self.inner.steps_per_round if steps is None else steps):
             if until is not None and until():
                 break
+            started = time.perf_counter()
             inputs, targets = self._batch()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
                 loss = self._loss(inputs, targets)
@@ -163,6 +174,10 @@ class Trainer:
             total += loss.detach().double()
             self.step += 1
             count += 1
+            if self.slowdown > 1:  # a slower machine, simulated (the device's work done first)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         return float(total.item()) / count if count else 0.0
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +301,8 @@ class Trainer:
         try:
             # Measured against our Δ as we sent it: a partner's is the same kind of thing
             # (sparseloco: a sparse Δ carrying its error feedback, int8: rounded).
-            check_partner(self.phi, self.own_delta(), peer, self.bounds)
+            scale = self.inner.steps_per_round / max(1, min(self.steps_this_round, self.inner.steps_per_round))
+            check_partner(self.phi, self.own_delta(), peer, self.bounds, scale=scale)
         except PartnerRefused as exc:
             raise PayloadRejected(str(exc), drifted=exc.drifted) from exc
         return peer
@@ -382,6 +398,9 @@ class Trainer:
         overlapped = meta.get("overlapped", 0)
         if not (type(overlapped) is int and 0 <= overlapped <= self.inner.steps_per_round):
             raise CheckpointError(f"checkpoint's overlapped steps {overlapped!r} are not of a round")
+        round_steps = meta.get("round_steps", self.inner.steps_per_round)
+        if not (type(round_steps) is int and 1 <= round_steps <= self.inner.steps_per_round):
+            raise CheckpointError(f"checkpoint's next round of {round_steps!r} steps is not of this run")
         adam: dict[int, dict[str, torch.Tensor]] = {}
         for k, param in enumerate(self._params):
             for key in ("phi", "momentum"):
@@ -418,6 +437,7 @@ class Trainer:
         self.round, self.step = round_index, step
         self._round_end, self._overlap_start, self._landing = None, None, False
         self.landing_steps = 0
+        self.next_round_steps = round_steps
         self._sent = None
         self._sent_flat = None
         self._wire = None
@@ -450,5 +470,7 @@ class Trainer:
             target = phi if left is None else phi - left.view_as(phi)
             if starts is None:
                 param.copy_(target)
-            else:  # the steps taken since the overlap's start stay: θ ← target + (θ − S)
-                param.sub_(starts[k]).add_(target)
+            elif not torch.equal(starts[k], target):  # the steps since the overlap's start stay
+                param.sub_(starts[k]).add_(target)  # θ ← target + (θ − S)
+            # else the step is where the steps started (the local baseline's φ' = S): θ stays,
+            # where θ − S + φ' would round it

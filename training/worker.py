@@ -83,10 +83,9 @@ def build_trainer(config: WorkerConfig) -> Trainer:
     }
     # An algorithm with a trainer of its own (SPES) names it ``make_trainer`` in its module.
     make = getattr(importlib.import_module(algorithms.MODULES[config.run.algorithm]), "make_trainer", None)
-    if make is not None:
-        trainer: Trainer = make(model, shard, config.run, **common)
-        return trainer
-    return Trainer(model, shard, **common)
+    trainer: Trainer = Trainer(model, shard, **common) if make is None else make(model, shard, config.run, **common)
+    trainer.slowdown = config.slowdown
+    return trainer
 
 
 def run(config: WorkerConfig, commands: BinaryIO, replies: BinaryIO) -> None:

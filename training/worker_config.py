@@ -50,6 +50,9 @@ class WorkerConfig:
     (no --data-shard) need distinct ones, or they would all train on the same batches."""
     threads: int = 1
     """torch threads: several workers share a CPU in a simulation."""
+    slowdown: float = 1.0
+    """A simulated slower machine: each inner step takes this many times as long (a pause
+    after it); 1: none."""
     device: str = "cpu"
     """One of DEVICES; the worker reports where it trains in ``ready``."""
     compile: str = "auto"
@@ -89,6 +92,8 @@ class WorkerConfig:
             raise ValueError(f"node_index {self.node_index} not in [0, {self.num_nodes})")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if not 1 <= self.slowdown <= 100:
+            raise ValueError("slowdown must be in [1, 100]")
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "run": self.run.to_dict()})

@@ -98,6 +98,9 @@ class SimulationOptions:
     """Where every trainer's worker trains (all on one GPU with cuda: they share it)."""
     link_mbps: float = 0.0
     """Every node's upload cap (``network.upload_limit_mbps``), as a home link's; 0: none."""
+    slow_node: float = 1.0
+    """The last trainer's worker takes this many times as long per inner step (a slower
+    machine, ``training.slowdown``); 1: every node at the same speed."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
@@ -108,6 +111,8 @@ class SimulationOptions:
             raise ConfigError(f"--timeout-s: must be > 0, got {self.timeout_s:g}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s: must be >= 0, got {self.linger_s:g}")
+        if not 1 <= self.slow_node <= 100:  # also refuses NaN
+            raise ConfigError(f"--slow-node: must be between 1 and 100, got {self.slow_node:g}")
         if not 0 <= self.link_mbps < 1e9:  # also refuses NaN
             raise ConfigError(f"--link-mbps: must be >= 0 (0: no cap), got {self.link_mbps:g}")
         if self.topology not in TOPOLOGIES:
@@ -128,7 +133,8 @@ class SimulationOptions:
         if not self.settings.trains:
             return []
         capped = ["--upload-limit-mbps", f"{self.link_mbps:g}"] if self.link_mbps else []
-        return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device, *capped]
+        slow = ["--slowdown", f"{self.slow_node:g}"] if self.slow_node != 1 and index == self.num_nodes - 1 else []
+        return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device, *capped, *slow]
 
 
 @dataclass(slots=True)

@@ -23,11 +23,4 @@ def outer(
 
 
 def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
-    run_rounds(
-        config,
-        trainer,
-        commands,
-        replies,
-        outer,
-        overlap_steps=config.run.outer.overlap_steps(config.run.inner.steps_per_round),
-    )
+    run_rounds(config, trainer, commands, replies, outer, overlapped=True)

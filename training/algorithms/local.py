@@ -20,12 +20,5 @@ def outer(
 
 
 def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: BinaryIO) -> None:
-    run_rounds(
-        config,
-        trainer,
-        commands,
-        replies,
-        outer,
-        overlap_steps=config.run.outer.overlap_steps(config.run.inner.steps_per_round),
-        eager=False,  # φ' is θ as the round ended: the steps start there
-    )
+    # φ' is θ as the round ended: the overlapped steps start there (not eager).
+    run_rounds(config, trainer, commands, replies, outer, overlapped=True, eager=False)

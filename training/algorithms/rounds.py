@@ -144,6 +144,8 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
         # Not the peer's encoding state: its error feedback is what the peer has yet to send;
         # nor where its overlapped steps started (written mid-overlap): we start from its φ.
         trainer.restore({k: v for k, v in tensors.items() if not k.startswith(("encoding.", "overlap_start."))}, meta)
+        # Nor its next round's length (shortened while it caught up with its own peers).
+        trainer.next_round_steps = config.run.inner.steps_per_round
     except checkpoint.CheckpointError as exc:
         logger.warning("a peer's state %s is unusable (%s); starting from round 0", config.start_from, exc)
         return
@@ -182,6 +184,7 @@ def save(
     if held is not None:
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
         meta = {**meta, "step": held[0], "overlapped": held[1]}
+    meta = {**meta, "round_steps": trainer.next_round_steps}
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()})
     if last:
         saver.wait()
@@ -197,11 +200,13 @@ def _outer_round(
     saver: BackgroundSaver | None,
     round_index: int,
     held: tuple[int, int] | None = None,
-) -> bool:
+) -> int | None:
     """The daemon's commands for round ``round_index`` until ``outer_go``, then its outer
     step, checkpoint and ``outer_done`` (with ``wait_s``: how long the worker waited for
     the commands, its time not training). ``held``: the step lands under overlapped steps
-    (the step count at the round's end, and how many were taken since). False: the daemon
+    (the step count at the round's end, and how many were taken since). Returns the inner
+    steps of the next round (``outer_go``'s ``steps``: fewer than H while our peers are
+    ahead of us, node/algorithms/noloco/pairing.py ``catch_up_steps``), None if the daemon
     said stop."""
     collected: dict[str, list[torch.Tensor]] = {}
     wait_s = 0.0
@@ -210,7 +215,7 @@ def _outer_round(
         command = reader.get()
         wait_s += time.perf_counter() - asked
         if command["t"] == "stop":
-            return False
+            return None
         if command.get("round") != round_index:
             raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
         if command["t"] != "accumulate":
@@ -224,6 +229,10 @@ def _outer_round(
             replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
         )
     result = outer(trainer, command, in_view, collected)
+    told = command.get("steps")
+    steps = config.run.inner.steps_per_round
+    next_steps = told if type(told) is int and 1 <= told <= steps else steps
+    trainer.next_round_steps = next_steps
     save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held=held)
     ipc.write_blocking(
         replies,
@@ -236,7 +245,7 @@ def _outer_round(
         overlapped=0 if held is None else held[1],
         **result.extra,
     )
-    return True
+    return next_steps
 
 
 def run_rounds(
@@ -247,15 +256,16 @@ def run_rounds(
     outer: OuterStep,
     opening: Callable[[], Opening] | None = None,
     *,
-    overlap_steps: int = 0,
+    overlapped: bool = False,
     eager: bool = True,
 ) -> None:
     """Resume, then rounds until the run's last, with shared-memory out- and inboxes.
     ``opening``: called once resumed, for what the algorithm adds before the first round.
-    ``overlap_steps``: of each round after the first, the inner steps taken before the last
-    round's outer step (``OuterConfig.overlap``; 0: a barrier at every round's end); ``eager``:
-    they start from our own outer step alone, not from θ as the round ended (which the
-    local baseline's outer step keeps: ``Trainer.hold_round_end``)."""
+    ``overlapped``: each round after the first takes up to ``outer.overlap`` of its inner
+    steps before the last round's outer step (a barrier at every round's end without it, or
+    with an overlap of 0); ``eager``: they start from our own outer step alone, not from θ
+    as the round ended (which the local baseline's outer step keeps: ``Trainer.hold_round_end``)."""
+    overlap_steps = config.run.outer.overlap_steps(config.run.inner.steps_per_round) if overlapped else 0
     asked = ask_start_from(config, commands, replies)
     if asked is None:
         return
@@ -329,24 +339,30 @@ def _rounds(
         pending: tuple[int, int] | None = None
         """A round whose outer step is still to come, and the step count at its end."""
         for round_index in range(trainer.round, config.run.rounds):
-            compute_s, loss_sum, rest = 0.0, 0.0, steps
+            compute_s, loss_sum, taken = 0.0, 0.0, 0
             started = time.perf_counter()
             if trainer.landing:  # resumed from a checkpoint written mid-overlap: as it went
                 taken = trainer.landing_steps
-                loss_sum, rest = trainer.inner_steps(taken) * taken, steps - taken
+                loss_sum = trainer.inner_steps(taken) * taken
                 trainer.land()
             elif pending is not None:  # the last round's exchange goes on during these steps
                 ended_round, ended_step = pending
                 # Until the daemon's word for that round is here (or at most ``early`` steps).
                 mean = trainer.inner_steps(early, until=reader.waiting)
                 taken = trainer.step - ended_step
-                loss_sum, rest = mean * taken, steps - taken
+                loss_sum = mean * taken
                 compute_s += time.perf_counter() - started
-                held = (ended_step, taken)
-                if not _outer_round(config, trainer, reader, replies, outer, in_view, saver, ended_round, held):
+                if (
+                    _outer_round(
+                        config, trainer, reader, replies, outer, in_view, saver, ended_round, (ended_step, taken)
+                    )
+                    is None
+                ):
                     return
                 pending, started = None, time.perf_counter()
-            train_loss = (loss_sum + trainer.inner_steps(rest) * rest) / steps
+            # H steps, or fewer while we catch up with peers ahead (the overlapped ones count).
+            rest = max(0, trainer.next_round_steps - taken)
+            train_loss = (loss_sum + trainer.inner_steps(rest) * rest) / max(1, taken + rest)
             # The outbox may still be read by a peer pulling last round's payload: the
             # daemon says when it is ours to overwrite.
             ipc.write_blocking(replies, "inner_done", round=round_index)
@@ -355,9 +371,13 @@ def _rounds(
                 return
             if command["t"] != "outbox_free" or command.get("round") != round_index:
                 raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
+            trainer.steps_this_round = taken + rest
             out_view.copy_(trainer.outer_payload())
             compute_s += time.perf_counter() - started
             val_loss = trainer.val_loss(max_batches=val_batches(round_index, config))
+            overlap = bool(early) and round_index + 1 < config.run.rounds
+            if overlap:  # before round_done: its memory report counts the two copies this holds
+                trainer.hold_round_end(eager=eager)
             ipc.write_blocking(
                 replies,
                 "round_done",
@@ -366,16 +386,15 @@ def _rounds(
                 val_loss=val_loss,
                 compute_s=compute_s,
                 step=trainer.step,
-                tokens=trainer.tokens_per_round(),
+                tokens=trainer.tokens_per_round(taken + rest),
                 memory=trainer.memory(),
                 expert_load=trainer.expert_load,
             )
-            if early and round_index + 1 < config.run.rounds:
-                trainer.hold_round_end(eager=eager)  # the next round's first steps go on meanwhile
+            if overlap:  # the next round's first steps go on meanwhile
                 if saver is not None:
                     saver.stage(trainer.round_end_state())
                 pending = (round_index, trainer.step)
-            elif not _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index):
+            elif _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index) is None:
                 return
         reader.get()  # the daemon's "stop" (or EOF)
     finally:

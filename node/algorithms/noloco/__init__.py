@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.noloco.pairing import Pairing
+from node.algorithms.noloco.pairing import Pairing, catch_up_steps
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
 
@@ -31,7 +31,7 @@ RESYNC_AFTER_REFUSALS = 3
 
 
 class Noloco(PayloadRounds):
-    REPORT_KEYS = (*PayloadRounds.REPORT_KEYS, "rounds_pulled", "pulls_served", "resyncs")
+    REPORT_KEYS = (*PayloadRounds.REPORT_KEYS, "rounds_pulled", "pulls_served", "resyncs", "rounds_shortened")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -42,6 +42,8 @@ class Noloco(PayloadRounds):
         """This round's partner, until the worker's outer step says what it made of it."""
         self.rounds_pulled = 0
         """Rounds whose partner payload was a pull (nobody was free to pair)."""
+        self.rounds_shortened = 0
+        """Rounds we took fewer than H steps in, to keep up with peers ahead of us."""
         self._drifted_from: list[str] = []
         """Partners whose payloads our worker refused as drifted since it last used one."""
 
@@ -60,6 +62,7 @@ class Noloco(PayloadRounds):
             "rounds_pulled": self.rounds_pulled,
             "pulls_served": self.pairing.pulls_served,
             "resyncs": self.resyncs,
+            "rounds_shortened": self.rounds_shortened,
         }
 
     async def linger(self) -> None:
@@ -87,8 +90,18 @@ class Noloco(PayloadRounds):
             done["val_loss"],
             (f"pulled from {partner}" if pulled else f"paired with {partner}") if partner else "alone",
         )
+        # Behind our peers (a slower machine, a late start): a shorter next round, to keep
+        # to their rounds, where a partner (or a pull a round ahead) can still be found.
+        steps = catch_up_steps(self.ctx.run.inner.steps_per_round, self.pairing.lag)
+        if steps < self.ctx.run.inner.steps_per_round:
+            self.rounds_shortened += 1
+            logger.info("round %d: peers %d round(s) ahead: %d steps next round", round_index, self.pairing.lag, steps)
         await worker.send(
-            "outer_go", round=round_index, peer=partner is not None, **await self.outer_fields(round_index)
+            "outer_go",
+            round=round_index,
+            peer=partner is not None,
+            steps=steps,
+            **await self.outer_fields(round_index),
         )
 
     async def outer_fields(self, round_index: int) -> dict[str, Any]:

@@ -91,8 +91,41 @@ ASK_TIME_WEIGHT = 0.2
 PULL_RESERVE_S = 5.0
 # A pull may bring a payload of up to this many rounds past ours: a node a moment behind
 # its peers found their outboxes holding the next round's payload and went alone (one outer
-# step ahead is as near our φ as an honest partner's; the worker's bounds still apply).
-PULL_AHEAD_ROUNDS = 1
+# step ahead is as near our φ as an honest partner's; the worker's bounds still apply). Two:
+# a slower node keeping up by shorter rounds (``catch_up_steps``) runs one to two rounds
+# behind its peers (simulate --slow-node 2: behind by 2 in some rounds, alone in those).
+PULL_AHEAD_ROUNDS = 2
+# A node asked to pair for the round after its last boundary answers "later" only when it
+# expects that boundary within this share of its own round time (by its recent rounds);
+# else "never": an asker that kept asking a slow node waited out most of its bound each
+# round (a node at half speed among 4: the odd one of the others waited ~25 s a round).
+# Half a round: what an asker's worker trains on meanwhile by default (``outer.overlap``);
+# with a quarter (and pulls one round ahead), in one run on a loaded machine, one of the
+# three full-speed nodes beside a slow one went alone in 12 of 30 rounds.
+NEAR_BOUNDARY = 0.5
+ROUND_TIME_WEIGHT = 0.3
+# How far behind its peers a node counts itself at most (``lag``): its next round is
+# shortened to H / (1 + lag) steps, never below 1/(1 + MAX_LAG) of H.
+MAX_LAG = 3
+
+
+def catch_up_steps(steps_per_round: int, lag: int) -> int:
+    """Inner steps of our next round when our peers are ``lag`` rounds ahead of us: fewer,
+    so a slow node keeps to its peers' rounds (and can pair, or pull a round ahead) instead
+    of falling further behind each round; H when it is not behind."""
+    return max(1, -(-steps_per_round // (1 + min(MAX_LAG, max(0, lag)))))
+
+
+def lag_of(ours: int, theirs: dict[str, int], *, peers: int) -> int:
+    """How many rounds our peers are ahead of round ``ours``, by the rounds they told us
+    (peer → round; a partner that accepted us is at ours, a pull's payload says its round):
+    the second-highest of them, so one peer claiming a far round cannot shorten our rounds
+    (a liar answering first, before an honest peer accepted, did: a second reader's probe);
+    one peer's word only when it is our only peer (``peers``); 0 if they are not ahead."""
+    rounds = sorted(theirs.values(), reverse=True)
+    if not rounds or (len(rounds) < 2 and peers > 1):
+        return 0
+    return max(0, min(MAX_LAG, rounds[min(1, len(rounds) - 1)] - ours))
 
 
 def backoff_s(ask_s: float, draw: float) -> float:
@@ -132,6 +165,8 @@ class _Round:
     """``partner`` is a peer we pull from: it takes no payload from us."""
     pulling: bool = False
     """We ask for pulls: the payload may be of a round up to ``PULL_AHEAD_ROUNDS`` past ours."""
+    told: dict[str, int] = field(default_factory=dict)
+    """The round each peer we asked said it is at (its busy answers)."""
 
 
 @dataclass(slots=True)
@@ -172,6 +207,11 @@ class Pairing:
         self.pulls_served = 0
         self.last_pulled = False
         """The last round's partner payload was a pull."""
+        self.lag = 0
+        """How many rounds our peers were ahead of our last round (``lag_of``)."""
+        self._boundary_at: float | None = None
+        self._round_s: float | None = None
+        """Our rounds' time, boundary to boundary (a moving average)."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
@@ -208,6 +248,8 @@ class Pairing:
             logger.warning("partner %s sent %d bytes, we expect %d", peer_id, len(payload.data), len(current.inbox))
             return
         self.bytes_received += len(payload.data)
+        if current.pulling:
+            current.told[peer_id] = payload.round  # a pull's payload says where its sender is
         if peer_id != current.partner:
             # The peer accepted and sent before its "accept" reached us: keep it for a moment.
             current.early = bytes(payload.data)
@@ -229,6 +271,13 @@ class Pairing:
     ) -> str | None:
         """Pair for this round and fill ``inbox`` with the partner's payload; the partner, or None."""
         await self.close_pulls(grace=False)  # the outbox holds this round's payload now
+        now = trio.current_time()
+        if self._boundary_at is not None and round_index == self._last_round + 1:
+            took = now - self._boundary_at
+            self._round_s = (
+                took if self._round_s is None else self._round_s + ROUND_TIME_WEIGHT * (took - self._round_s)
+            )
+        self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
         self._round = current
         self._pulls = _Pulls(round_index, outbox)
@@ -252,6 +301,7 @@ class Pairing:
             return current.partner if current.received else None
         finally:
             self.last_pulled = current.pulled and current.received
+            self.lag = lag_of(round_index, current.told, peers=len(candidates))
             self._round = None
             self._last_round = max(self._last_round, round_index)
 
@@ -371,6 +421,11 @@ class Pairing:
             return "never"
         took = trio.current_time() - started
         self._ask_s += ASK_TIME_WEIGHT * (took - self._ask_s)
+        told = reply.get("round")
+        if reply["t"] == "accept" and question == "pair?":
+            current.told[peer_id] = current.index  # it pairs for our round: it is at it
+        elif type(told) is int and -1 <= told < 1 << 62:
+            current.told[peer_id] = told
         if reply["t"] == "accept":
             return "accept"
         if reply.get("retry") is False:
@@ -404,8 +459,15 @@ class Pairing:
             await self._answer_pull(stream, round_index, nbytes)
             return
         elif current is None:
-            verdict = ("never", "past that round") if self._last_round >= round_index else ("later", "computing")
+            if self._last_round >= round_index:
+                verdict = ("never", "past that round")
+            elif self._near(round_index):
+                verdict = ("later", "computing")
+            else:
+                verdict = ("never", "behind: not near that round")
         elif current.index != round_index:
+            # At an earlier boundary: "later" still (with "never" here, the never-sending
+            # partner of tests/adversarial/test_training.py was no longer banned).
             verdict = ("never", "past that round") if current.index > round_index else ("later", "behind")
         elif current.partner is not None:
             verdict = ("never", "already paired")
@@ -416,7 +478,9 @@ class Pairing:
         else:
             verdict = None
         if verdict is not None:
-            await wire.send(stream, "busy", VERSION, {"retry": verdict[0] == "later", "reason": verdict[1]})
+            await wire.send(
+                stream, "busy", VERSION, {"retry": verdict[0] == "later", "reason": verdict[1], **self._at()}
+            )
             return
         assert current is not None
         current.partner = stream.peer_id
@@ -446,7 +510,21 @@ class Pairing:
             assert self._nursery is not None
             self._nursery.start_soon(self._send_pull, stream.peer_id, pulls, scope, sent)
             return
-        await wire.send(stream, "busy", VERSION, {"retry": False, "reason": reason})
+        await wire.send(stream, "busy", VERSION, {"retry": False, "reason": reason, **self._at()})
+
+    def _at(self) -> dict[str, int]:
+        """The round we are at (at its boundary, or the last one we reached): busy answers
+        say it, so a node behind its peers learns by how far (``lag``)."""
+        return {"round": self._round.index if self._round is not None else self._last_round}
+
+    def _near(self, round_index: int) -> bool:
+        """Whether we expect to reach ``round_index``'s boundary soon (computing towards it)."""
+        if self._boundary_at is None or self._round_s is None:
+            return True  # no rounds to judge by yet (a node just started or restarted): ask again
+        if round_index != self._last_round + 1:
+            return False
+        left = self._boundary_at + self._round_s - trio.current_time()
+        return left <= NEAR_BOUNDARY * self._round_s
 
     async def _send_pull(self, peer_id: str, pulls: _Pulls, scope: trio.CancelScope, sent: trio.Event) -> None:
         payload = Payload(pulls.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(pulls.outbox),)),), pulls.outbox)
