@@ -112,11 +112,11 @@ class Trainer:
         """A simulated slower machine (``simulate --slow-node``): each inner step is followed
         by a pause of (slowdown − 1) × its time."""
         self.next_round_steps = inner.steps_per_round
+        """Inner steps of the coming round: H, or fewer while the node catches up with peers
+        ahead of it (the daemon's word, node/algorithms/noloco/pairing.py ``catch_up_steps``)."""
         self.steps_this_round = inner.steps_per_round
         """Inner steps the round whose payload is out took: a partner's Δ over H steps is
         measured against ours scaled to H (``check_partner``'s ``scale``)."""
-        """Inner steps of the coming round: H, or fewer while the node catches up with peers
-        ahead of it (the daemon's word, node/algorithms/noloco/pairing.py ``catch_up_steps``)."""
         self.expert_load: list[float] | None = None
         """A mixture of experts: each expert's share of the routed tokens over the last
         ``val_loss`` (mean over layers and batches; 1 / num_experts when balanced)."""
