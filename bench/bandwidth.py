@@ -8,7 +8,9 @@ the worker waits at every round's end). Printed: one JSON object with, per varia
 mean over seeds of the nodes' mean final validation loss, payload bytes sent per node per
 round, the wall time of training, the median utilization and the share of training time
 the workers waited for syncs (``sync_wait_share``: sync_wait_s / train_wall_s, the mean
-over nodes; issue 16: ≤ 0.05); and for each its ratios to ``none`` measured in this run:
+over nodes; issue 16: ≤ 0.05), and the shares of it in validation (``eval_share``) and in
+outer steps (``outer_share``: a partner payload's decoding and check, the step, the
+checkpoint's staging); and for each its ratios to ``none`` measured in this run:
 
     bytes_ratio    payload bytes sent per node per round / none's
     wire_bytes_ratio  every byte sent on TCP (protocol/net/traffic.py), per node per round,
@@ -53,6 +55,8 @@ def simulate(variant: str, seed: int, args: argparse.Namespace, report: Path) ->
         "train_wall_s": statistics.mean(n["train_wall_s"] for n in nodes),
         "utilization": statistics.median(n["utilization"] for n in nodes),
         "sync_wait_share": statistics.mean(n["sync_wait_s"] / n["train_wall_s"] for n in nodes),
+        "eval_share": statistics.mean(n["eval_s"] / n["train_wall_s"] for n in nodes),
+        "outer_share": statistics.mean(n["outer_s"] / n["train_wall_s"] for n in nodes),
         "rounds_with_partner": [n["rounds_with_partner"] for n in nodes],
         "payloads_refused": [n.get("payloads_refused") for n in nodes],
     }
@@ -91,7 +95,7 @@ def main() -> None:
             key: mean(encoding, key)
             for key in (
                 *("final_loss", "bytes_per_round", "wire_bytes_per_round", "train_wall_s"),
-                *("utilization", "sync_wait_share"),
+                *("utilization", "sync_wait_share", "eval_share", "outer_share"),
             )
         }
         out[encoding].update(

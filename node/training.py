@@ -238,6 +238,8 @@ class TrainingService:
             "loss_curve": m.loss_curve,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
+            "eval_s": round(m.eval_s, 3),
+            "outer_s": round(m.outer_s, 3),
             "overlapped_steps": m.overlapped_steps,
             "train_wall_s": round(m.train_wall_s, 3),
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,

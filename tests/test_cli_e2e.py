@@ -204,10 +204,12 @@ async def test_two_nodes_pair_every_round_with_int8_payloads(short_tmp: Path, en
     assert all(0 < n["bytes_sent"] < 3 * 300_000 for n in report["nodes"])
 
 
-async def test_a_node_killed_mid_run_does_not_stop_the_others(short_tmp: Path, env: dict[str, str]) -> None:
-    report, _ = await simulate(
-        short_tmp, env, "--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--model", "micro", "--kill-after-s", "1"
-    )
+@pytest.mark.parametrize("compression", ["none", "sparseloco"])
+async def test_a_node_killed_mid_run_does_not_stop_the_others(
+    short_tmp: Path, env: dict[str, str], compression: str
+) -> None:
+    args = ("--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--model", "micro", "--kill-after-s", "1")
+    report, _ = await simulate(short_tmp, env, *args, "--compression", compression)
     victim, *survivors = report["nodes"][::-1]
     assert victim["killed"] is True and victim["exit_code"] == -9
     assert all(n["rounds"] == 4 and not n["killed"] and n["exit_code"] == 0 for n in survivors)

@@ -78,20 +78,24 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str]) -> No
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("compression", ["none", "sparseloco"])
 async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
-    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, compression: str
 ) -> None:
+    """With compressed payloads too (issue 16): the joiner takes a peer's φ, not its
+    error feedback (what that peer has yet to send), and pairs on."""
+    training = {**TRAINING, "run__settings__compression": compression}
     async with open_swarm(short_tmp) as swarm:
         trainers: set[str] = set()
         hold_for_a_joiner(monkeypatch, trainers)
-        first = await start_trainers(swarm, 2, TRAINING, run_name="join")
+        first = await start_trainers(swarm, 2, training, run_name="join")
         trainers.update(n.peer_id for n in first)
         await until(first, lambda: all(rounds_done(n) >= JOIN_AFTER for n in first), timeout_s=TIMEOUT_S)
         assert first[0].run_service is not None
         boot = swarm.daemons[0]
         assert boot.host is not None
         run_id = first[0].run_service.state.run_id
-        late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **TRAINING)
+        late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **training)
         nodes = [*first, late]
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
         assert late.training is not None and isinstance(late.training.algorithm, Noloco)
@@ -105,6 +109,8 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
         assert len(status["loss_curve"]) == ROUNDS - status["start_round"]
         fresh = first[0].training.metrics.loss_curve[0][1] if first[0].training else 0.0
         assert status["loss_curve"][0][1] < fresh
+        # And it trains with the others, not alone beside them (its payloads fit theirs).
+        assert status["rounds_with_partner"] > 0 and status["payloads_refused"] == 0, status
 
 
 @pytest.mark.integration

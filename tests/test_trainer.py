@@ -312,3 +312,30 @@ def test_the_local_baseline_overlapped_keeps_its_weights_as_they_are() -> None:
     moved = [p.detach().clone() for p in t.model.parameters()]
     t.apply_local()
     assert all(torch.equal(x, y) for x, y in zip(t.model.parameters(), moved, strict=True))
+
+
+def test_validation_between_the_ends_costs_a_row_per_30_trained_and_weighs_each_row_once() -> None:
+    """The loss curve's ends take 8 batches; the rounds between, one block per 30 trained
+    (at least one), so validation costs ~1% of a round. A short last batch weighs by its
+    rows: the loss of 10 blocks in batches of 8 and 2 is their mean, one batch or two."""
+    from training.algorithms.rounds import VAL_BATCHES, val_rows
+    from training.settings import RunSettings
+    from training.worker_config import WorkerConfig
+
+    def rows(round_index: int, steps: int) -> int:
+        run = RunSettings(rounds=30, inner=InnerConfig(steps_per_round=steps, batch_size=8))
+        return val_rows(round_index, WorkerConfig(run=run))
+
+    assert rows(0, 10) == rows(29, 10) == VAL_BATCHES * 8
+    assert [rows(5, steps) for steps in (1, 10, 50, 300, 3000)] == [1, 2, 13, 64, 64]
+    t = trainer(0)
+    batches = t.shard.val_batches(batch_size=8, max_batches=VAL_BATCHES, max_rows=10)
+    assert [len(x) for x, _ in batches] == [8, 2]
+    whole = trainer(0)
+    whole.inner = InnerConfig(steps_per_round=10, lr=3e-3, batch_size=10)
+    one_batch = whole.val_loss(max_batches=1)
+    two_batches = t.val_loss(max_batches=VAL_BATCHES, max_rows=10)
+    # The same 10 blocks' losses, summed in another order, each through matmuls that may
+    # block their float32 sums of embed_dim products differently for another batch shape:
+    # a few roundings of embed_dim terms apart (≲ embed_dim · 2⁻²⁴ each, a few times over).
+    assert abs(two_batches - one_batch) <= 4 * SMALL.embed_dim * 2**-24 * one_batch

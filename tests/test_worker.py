@@ -79,6 +79,7 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
     for round_index in range(3):
         done = await receive(worker)
         assert done["t"] == "round_done" and done["round"] == round_index and done["compute_s"] > 0
+        assert isinstance(done["eval_s"], float) and done["eval_s"] > 0
         payload = torch.frombuffer(bytearray(outbox.buf[: ready["payload_nbytes"]]), dtype=torch.float32)
         assert torch.isfinite(payload).all() and payload.abs().sum() > 0
         losses.append(done["val_loss"])
@@ -86,8 +87,9 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         inbox.buf[: ready["payload_nbytes"]] = outbox.buf[: ready["payload_nbytes"]]
         await worker.send("outer_go", round=round_index, peer=True)
         outer = await receive(worker)
-        wait_s = outer.pop("wait_s")  # how long it waited for our word: its own clock
-        assert isinstance(wait_s, float) and wait_s >= 0
+        # How long it waited for our word, and took for the outer step: its own clock.
+        wait_s, outer_s = outer.pop("wait_s"), outer.pop("outer_s")
+        assert isinstance(wait_s, float) and wait_s >= 0 and isinstance(outer_s, float) and outer_s > 0
         # Steps of the next round taken before it: as many as our word took (at most 2 of 5).
         assert outer.pop("overlapped") in (range(3) if round_index < 2 else [0])
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
@@ -188,6 +190,7 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     }
     done = await receive(worker)
     assert isinstance(done.pop("wait_s"), float)
+    assert done.pop("outer_s") > 0  # the two accumulated payloads' checks and the outer step
     assert done.pop("overlapped") == 0  # the run's last round: nothing follows it
     assert done == expected
     await worker.send("stop")

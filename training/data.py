@@ -46,8 +46,13 @@ class Shard:
         blocks = self.train[rows]
         return blocks[:, :-1], blocks[:, 1:]
 
-    def val_batches(self, *, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        blocks = self.val[: batch_size * max_batches]
+    def val_batches(
+        self, *, batch_size: int, max_batches: int, max_rows: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first validation blocks (the same ones each time) in batches: at most
+        ``max_batches`` of ``batch_size``, and at most ``max_rows`` blocks in all."""
+        rows = batch_size * max_batches if max_rows is None else min(batch_size * max_batches, max(1, max_rows))
+        blocks = self.val[:rows]
         starts = range(0, len(blocks), batch_size)
         return [(blocks[i : i + batch_size, :-1], blocks[i : i + batch_size, 1:]) for i in starts]
 

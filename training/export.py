@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from training import checkpoint, corpus, data
+from training.finite import all_finite
 from training.models import GPT, GPTConfig, configured
 from training.tokenizer import Codec
 
@@ -140,7 +141,7 @@ def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> 
     for name, trained in replicas:
         if [p.shape for p in trained.model.parameters()] != [p.shape for p in reference.model.parameters()]:
             raise ExportError(f"{name}'s model is not {reference.model_name}")
-        finite = all(bool(torch.isfinite(p).all()) for p in trained.model.parameters())
+        finite = all(all_finite(p) for p in trained.model.parameters())
         losses.append(val_loss(trained.model, batches) if finite else math.inf)
     median = sorted(losses)[(len(losses) - 1) // 2]
     members = [

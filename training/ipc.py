@@ -13,16 +13,18 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
     {t: "outbox_free", round}    ──▶ (nobody reads the outbox now: last round's payload,
                                      which a peer behind us may pull, can be overwritten)
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s,
-                                     memory, expert_load} (the outbox now holds φ then Δ,
+                                     eval_s, memory, expert_load} (the outbox now holds φ then Δ,
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
                                  ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     wait_s, overlapped}
+                                     wait_s, outer_s, overlapped}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
                                      with a ban unless drifted: not far past the bounds;
-                                     wait_s: how long the worker waited for these commands.
+                                     wait_s: how long the worker waited for these commands;
+                                     outer_s: its outer step, the payload's check and the
+                                     checkpoint's staging; eval_s: its validation.
                                      With outer.overlap the worker takes the next round's
                                      steps until they come (at most its share of the round):
                                      overlapped says how many; its next inner_done comes

@@ -12,6 +12,8 @@ preserves the pair's mean exactly.
 
 import torch
 
+from training.finite import all_finite
+
 BLOCK = 256
 
 
@@ -19,7 +21,7 @@ def quantize(flat: torch.Tensor, *, block: int = BLOCK) -> tuple[torch.Tensor, t
     """float32 (n,) → (int8 (n,), float32 scales (ceil(n / block),)). Rejects non-finite input."""
     if flat.dtype != torch.float32 or flat.dim() != 1:
         raise ValueError(f"expected a flat float32 tensor, got {flat.dtype} × {tuple(flat.shape)}")
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise ValueError("cannot quantize NaN or Inf")
     padded = torch.nn.functional.pad(flat, (0, (-len(flat)) % block)).view(-1, block)
     scales = padded.abs().amax(dim=1) / 127.0
@@ -34,7 +36,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, block: int = BLOCK)
         raise ValueError("expected int8 codes and float32 scales, both flat")
     if len(scales) != -(-len(codes) // block):
         raise ValueError(f"{len(codes)} codes need {-(-len(codes) // block)} scales, got {len(scales)}")
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+    if not all_finite(scales) or bool((scales < 0).any()):
         raise ValueError("scales must be finite and non-negative")
     padded = torch.nn.functional.pad(codes, (0, (-len(codes)) % block)).view(-1, block).to(torch.float32)
     return (padded * scales[:, None]).view(-1)[: len(codes)]

@@ -35,6 +35,7 @@ from torch import nn
 
 from training.checkpoint import CheckpointError
 from training.data import Shard
+from training.finite import all_finite
 from training.models import GPT
 from training.moe import Expert, expert_index
 from training.noloco import outer_gradient
@@ -96,7 +97,7 @@ def check_version(new: torch.Tensor, held: torch.Tensor, *, reference: float, ro
     (``Spes.update_reference``); ``rounds_apart``: between our copy and the new version."""
     if new.shape != held.shape:
         return f"holds {new.numel()} values, expected {held.numel()}"
-    if not bool(torch.isfinite(new).all()):
+    if not all_finite(new):
         return "holds NaN or Inf"
     ratio = version_gap(new, held, reference=reference, rounds_apart=rounds_apart)
     if not ratio <= 1.0:
@@ -147,7 +148,7 @@ def check_expert_state(table: ExpertTable, tensors: dict[str, torch.Tensor]) -> 
         flat = tensors.get(f"expert.{e}")
         if flat is None or flat.dtype != torch.float32 or flat.shape != (table.numel,):
             raise CheckpointError(f"checkpoint's expert {e} does not fit this model")
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise CheckpointError(f"checkpoint's expert {e} holds NaN or Inf")
         flats.append(flat)
     return flats

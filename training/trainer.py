@@ -12,7 +12,6 @@ With a lossy encoding each side averages the decoded values of both payloads: wh
 is kept (``sent``) and stands in for its own φ and Δ in the outer step.
 """
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from training.checkpoint import CheckpointError
 from training.data import Shard
 from training.encodings import encoding
+from training.finite import all_finite
 from training.models import GPT
 from training.noloco import (
     Params,
@@ -192,20 +192,21 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def val_loss(self, *, max_batches: int = 8) -> float:
+    def val_loss(self, *, max_batches: int = 8, max_rows: int | None = None) -> float:
+        """The mean loss over the first validation blocks (``Shard.val_batches``)."""
         self.model.eval()
-        batches = self.shard.val_batches(batch_size=self.inner.batch_size, max_batches=max_batches)
+        batches = self.shard.val_batches(batch_size=self.inner.batch_size, max_batches=max_batches, max_rows=max_rows)
         total = 0.0
         moes = self.model.moes()
         load = torch.zeros(moes[0].num_experts, device=self.device) if moes else None
         for x, y in batches:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-                total += self.model.loss(x.to(self.device), y.to(self.device)).item()
+                total += self.model.loss(x.to(self.device), y.to(self.device)).item() * len(x)
             if load is not None:
                 load += torch.stack([m.load for m in moes]).mean(dim=0)
         if load is not None:
             self.expert_load = [round(float(v), 5) for v in load / len(batches)]
-        return total / len(batches)
+        return total / sum(len(x) for x, _ in batches)
 
     def theta(self) -> list[torch.Tensor]:
         """θ as the round ended: what Δ, a payload and the outer step are made of."""
@@ -227,13 +228,12 @@ class Trainer:
         if not eager:
             self._overlap_start = [t.clone() for t in self._round_end]
             return
-        residual = self.codec_state.get("residual")
-        lefts = [None] * len(self.phi) if residual is None else torch.split(residual, self._numels[: len(self.phi)])
         start = []
-        for param, phi, m, d, left in zip(self._params, self.phi, self.momentum, self.own_delta(), lefts, strict=True):
+        parts = zip(self._params, self.phi, self.momentum, self.own_delta(), self._residual_parts(), strict=True)
+        for param, phi, m, d, left in parts:
             s = phi + (self.outer.alpha * m - self.outer.beta * d)
             if left is not None:
-                s -= left.view_as(phi)
+                s -= left
             param.copy_(s)
             start.append(s)
         self._overlap_start = start
@@ -295,7 +295,7 @@ class Trainer:
             flat = self.encoding.decode(wire, self._numels, fill=fill)
         except ValueError as exc:
             raise PayloadRejected(str(exc)) from exc
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise PayloadRejected("payload holds NaN or Inf")
         peer = self._split(flat)
         try:
@@ -345,7 +345,7 @@ class Trainer:
         if peer is not None and self.encoding.lossy and self._sent is None:
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
         phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
-        if peer is not None and not all(bool(torch.isfinite(t).all()) for t in phi):
+        if peer is not None and not all(all_finite(t) for t in phi):
             # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
             self.last_rejection = "the outer step with its payload gives non-finite weights"
             used_peer = False
@@ -424,7 +424,7 @@ class Trainer:
             for e, p in zip(starts, self._params, strict=True)
         ):
             raise CheckpointError("checkpoint's overlap_start does not fit this model")
-        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        if not all(all_finite(t) for t in tensors.values()):
             raise CheckpointError("checkpoint holds NaN or Inf")
         self.phi = [tensors[f"phi.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
         self.momentum = [tensors[f"momentum.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
@@ -457,17 +457,24 @@ class Trainer:
             param.copy_(start)
         self._landing, self.landing_steps = True, overlapped
 
+    def _residual_parts(self) -> list[torch.Tensor | None]:
+        """The encoding's residual (what the payload left out of Δ: sparseloco) cut into one
+        part per outer parameter, shaped like it; Nones without one."""
+        residual = self.codec_state.get("residual")
+        if residual is None:
+            return [None] * len(self.phi)
+        parts = torch.split(residual, self._numels[: len(self.phi)])
+        return [part.view_as(phi) for part, phi in zip(parts, self.phi, strict=True)]
+
     def _load_phi_into_theta(self) -> None:
         # Checked before θ takes them: non-finite weights (our own divergence) end this worker
         # before anything is saved, and its successor resumes from the last good checkpoint.
-        if not all(math.isfinite(float(p.abs().max())) for p in self.phi if p.numel()):
+        if not all(all_finite(p) for p in self.phi):
             raise FloatingPointError("outer step produced non-finite weights")
-        residual = self.codec_state.get("residual")
         # What the payload left out of Δ stays in θ (sparseloco): θ ← φ − (Δ − sent).
-        lefts = [None] * len(self.phi) if residual is None else torch.split(residual, self._numels[: len(self.phi)])
         starts, self._overlap_start, self._round_end = self._overlap_start, None, None
-        for k, (param, phi, left) in enumerate(zip(self._params, self.phi, lefts, strict=True)):
-            target = phi if left is None else phi - left.view_as(phi)
+        for k, (param, phi, left) in enumerate(zip(self._params, self.phi, self._residual_parts(), strict=True)):
+            target = phi if left is None else phi - left
             if starts is None:
                 param.copy_(target)
             elif not torch.equal(starts[k], target):  # the steps since the overlap's start stay

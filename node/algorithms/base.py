@@ -32,6 +32,11 @@ class TrainingMetrics:
     """How long the worker waited for the daemon's word to apply its outer steps (its own
     measure, ``outer_done``'s ``wait_s``): the whole exchange with a barrier, what the
     overlapped inner steps did not hide without one (``outer.overlap``)."""
+    eval_s: float = 0.0
+    """Validation at the rounds' ends, as the worker timed it (``round_done``'s ``eval_s``)."""
+    outer_s: float = 0.0
+    """Outer steps, a partner payload's decoding and check and the checkpoint's staging
+    included, as the worker timed them (``outer_done``'s ``outer_s``)."""
     overlapped_steps: int = 0
     """Inner steps the worker took before a round's outer step landed (``outer.overlap``)."""
     train_wall_s: float = 0.0

@@ -32,6 +32,11 @@ SEND_TIMEOUT_S = 120.0
 MAX_PAYLOAD_NBYTES = 4 << 30
 
 
+def _seconds(value: object) -> float:
+    """A duration the worker reported: a finite, non-negative float, or nothing (0)."""
+    return value if isinstance(value, float) and 0.0 <= value < math.inf else 0.0
+
+
 class Inbox(Protocol):
     def authorize(self, peer_id: str, round_index: int, nbytes: int) -> str | None: ...
 
@@ -248,6 +253,7 @@ class PayloadRounds:
                 elif message["t"] == "round_done":
                     metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
                     metrics.compute_s += float(message.get("compute_s", 0.0))
+                    metrics.eval_s += _seconds(message.get("eval_s"))
                     tokens = message.get("tokens")
                     metrics.tokens += tokens if type(tokens) is int and tokens > 0 else 0
                     memory = message.get("memory")
@@ -266,9 +272,8 @@ class PayloadRounds:
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
                     overlapped = message.get("overlapped")
                     metrics.overlapped_steps += overlapped if type(overlapped) is int and overlapped >= 0 else 0
-                    wait_s = message.get("wait_s")
-                    if isinstance(wait_s, float) and 0.0 <= wait_s < math.inf:
-                        metrics.sync_wait_s += wait_s
+                    metrics.sync_wait_s += _seconds(message.get("wait_s"))
+                    metrics.outer_s += _seconds(message.get("outer_s"))
                     if metrics.rounds >= self.ctx.run.rounds:
                         self._finished()
                         await self.linger()

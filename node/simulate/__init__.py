@@ -18,7 +18,9 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
          and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received"
          (payloads), "wire_bytes_sent", "wire_bytes_received" (every byte on TCP),
-         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "overlapped_steps"
+         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s"
+         (validation), "outer_s" (outer steps with the partner payload's check and the
+         checkpoint's staging), "overlapped_steps"
          (inner steps taken before a round's outer step landed: outer.overlap),
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
          "payloads_refused" (partner payloads refused: out of bounds, non-finite),
@@ -439,7 +441,8 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("wire_bytes_sent", "wire_bytes_received"),
-    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "overlapped_steps", "train_wall_s", "utilization"),
+    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s", "outer_s", "overlapped_steps"),
+    *("train_wall_s", "utilization"),
     *("payloads_refused", "checkpoint_error"),
 )
 

@@ -48,22 +48,26 @@ logger = logging.getLogger("training.worker")
 
 VAL_BATCHES = 8
 """Validation batches of the first and the last round: the loss curve's ends, and the final loss."""
-VAL_STEPS_PER_BATCH = 10
-"""Of every other round, one validation batch (the same first ones each time) per this many
-inner steps, at least one: a forward is about a third of a step, so validation costs
-~3% of a round whatever H is. It was 8 batches a round, then 2: at H = 10 that was ~25%,
-then ~6% of a round's compute (one thread, tiny: 110 ms against 1.87 s of steps), most of
-what kept the worker's utilization under 0.9 once overlapped rounds hid the network.
-Measured (`swarmtrain simulate --nodes 4 --rounds 30 --compression sparseloco --link-mbps
-100 --set seed=1`, 8 → 2 batches, in turn): median utilization 0.770 → 0.864, training
-wall time 184.6 → 158.5 s, final loss 2.054 → 2.046 (the same 8 batches)."""
+VAL_ROW_PER_ROWS = 30
+"""Of every other round, one validation block (row) per this many rows the round trained
+on, at least one: a forward is about a third of a step, so validation costs ~1% of a
+round whatever H is; those rounds' losses are the loss curve's points between its ends
+(the same first blocks each time: a curve, noisier than its ends, not a final figure).
+It was 8 batches a round, then 2, then 1 batch per 10 steps: at H = 10 that was ~25%,
+~6%, then ~3% of a round's compute (one thread, tiny), what kept the worker's
+utilization under 0.9 once overlapped rounds hid the network. Measured (`swarmtrain
+simulate --nodes 4 --rounds 30 --compression sparseloco --link-mbps 100 --set seed=1`,
+8 → 2 batches, in turn): median utilization 0.770 → 0.864, training wall time 184.6 →
+158.5 s, final loss 2.054 → 2.046 (the same 8 batches)."""
 
 
-def val_batches(round_index: int, config: WorkerConfig) -> int:
-    """How many validation batches round ``round_index`` ends with."""
+def val_rows(round_index: int, config: WorkerConfig) -> int:
+    """How many validation blocks round ``round_index`` ends with."""
+    batch_size = config.run.inner.batch_size
     if round_index in (0, config.run.rounds - 1):
-        return VAL_BATCHES
-    return min(VAL_BATCHES, max(1, config.run.inner.steps_per_round // VAL_STEPS_PER_BATCH))
+        return VAL_BATCHES * batch_size
+    trained = config.run.inner.steps_per_round * batch_size
+    return min(VAL_BATCHES * batch_size, max(1, trained // VAL_ROW_PER_ROWS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,22 +204,24 @@ def _outer_round(
     saver: BackgroundSaver | None,
     round_index: int,
     held: tuple[int, int] | None = None,
-) -> int | None:
+) -> bool:
     """The daemon's commands for round ``round_index`` until ``outer_go``, then its outer
     step, checkpoint and ``outer_done`` (with ``wait_s``: how long the worker waited for
-    the commands, its time not training). ``held``: the step lands under overlapped steps
-    (the step count at the round's end, and how many were taken since). Returns the inner
-    steps of the next round (``outer_go``'s ``steps``: fewer than H while our peers are
-    ahead of us, node/algorithms/noloco/pairing.py ``catch_up_steps``), None if the daemon
-    said stop."""
+    the commands, its time not training; ``outer_s``: the time it took for them, DiLoCo's
+    payload checks included). ``held``: the step lands under overlapped steps
+    (the step count at the round's end, and how many were taken since). The next round's
+    inner steps are ``outer_go``'s ``steps`` (``Trainer.next_round_steps``: fewer than H
+    while our peers are ahead of us, node/algorithms/noloco/pairing.py ``catch_up_steps``).
+    False if the daemon said stop."""
     collected: dict[str, list[torch.Tensor]] = {}
-    wait_s = 0.0
+    wait_s = outer_s = 0.0
     while True:
         asked = time.perf_counter()
         command = reader.get()
-        wait_s += time.perf_counter() - asked
+        began = time.perf_counter()
+        wait_s += began - asked
         if command["t"] == "stop":
-            return None
+            return False
         if command.get("round") != round_index:
             raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while at {round_index}")
         if command["t"] != "accumulate":
@@ -225,14 +231,14 @@ def _outer_round(
             refusal, drifted = None, False
         except PayloadRejected as exc:
             refusal, drifted = str(exc)[:200], exc.drifted
+        outer_s += time.perf_counter() - began
         ipc.write_blocking(
             replies, "accumulated", round=round_index, ok=refusal is None, reason=refusal, drifted=drifted
         )
     result = outer(trainer, command, in_view, collected)
     told = command.get("steps")
     steps = config.run.inner.steps_per_round
-    next_steps = told if type(told) is int and 1 <= told <= steps else steps
-    trainer.next_round_steps = next_steps
+    trainer.next_round_steps = told if type(told) is int and 1 <= told <= steps else steps
     save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held=held)
     ipc.write_blocking(
         replies,
@@ -242,10 +248,11 @@ def _outer_round(
         rejected=result.rejected,
         drifted=result.drifted,
         wait_s=wait_s,
+        outer_s=outer_s + time.perf_counter() - began,
         overlapped=0 if held is None else held[1],
         **result.extra,
     )
-    return next_steps
+    return True
 
 
 def run_rounds(
@@ -352,11 +359,8 @@ def _rounds(
                 taken = trainer.step - ended_step
                 loss_sum = mean * taken
                 compute_s += time.perf_counter() - started
-                if (
-                    _outer_round(
-                        config, trainer, reader, replies, outer, in_view, saver, ended_round, (ended_step, taken)
-                    )
-                    is None
+                if not _outer_round(
+                    config, trainer, reader, replies, outer, in_view, saver, ended_round, (ended_step, taken)
                 ):
                     return
                 pending, started = None, time.perf_counter()
@@ -374,7 +378,9 @@ def _rounds(
             trainer.steps_this_round = taken + rest
             out_view.copy_(trainer.outer_payload())
             compute_s += time.perf_counter() - started
-            val_loss = trainer.val_loss(max_batches=val_batches(round_index, config))
+            evaluated = time.perf_counter()
+            val_loss = trainer.val_loss(max_batches=VAL_BATCHES, max_rows=val_rows(round_index, config))
+            eval_s = time.perf_counter() - evaluated
             overlap = bool(early) and round_index + 1 < config.run.rounds
             if overlap:  # before round_done: its memory report counts the two copies this holds
                 trainer.hold_round_end(eager=eager)
@@ -385,6 +391,7 @@ def _rounds(
                 train_loss=train_loss,
                 val_loss=val_loss,
                 compute_s=compute_s,
+                eval_s=eval_s,
                 step=trainer.step,
                 tokens=trainer.tokens_per_round(taken + rest),
                 memory=trainer.memory(),
@@ -394,7 +401,7 @@ def _rounds(
                 if saver is not None:
                     saver.stage(trainer.round_end_state())
                 pending = (round_index, trainer.step)
-            elif _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index) is None:
+            elif not _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index):
                 return
         reader.get()  # the daemon's "stop" (or EOF)
     finally:

@@ -107,6 +107,10 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     return (stream.view(count, bits).to(torch.int64) << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
 
 
+_CODES = np.array([[(byte >> (2 * i)) & 3 for i in range(4)] for byte in range(256)], dtype=np.uint8)
+"""A byte of codes → its four 2-bit codes, LSB first (``pack_bits``'s order)."""
+
+
 def _select(chunk_values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunks (m, c) → (indices (m, k) ascending, codes (m, k), lower and upper magnitudes (m,))."""
     # The upper half of the picks by magnitude: a second, smaller top-k (where magnitudes
@@ -195,42 +199,41 @@ class SparseLoCo:
             raise ValueError(f"a sparseloco payload of these pieces is {self.nbytes(numels)} bytes")
         if fill is None or fill.numel() != sum(numels):
             raise ValueError("a sparseloco payload needs our own payload as sent to fill in what it leaves out")
+        data = wire.numpy()
         cursor = 0
 
-        def take(nbytes: int) -> torch.Tensor:
+        def take(nbytes: int) -> np.ndarray:
             nonlocal cursor
-            part = wire[cursor : cursor + nbytes].clone()  # clone: aligned for the views
+            part = data[cursor : cursor + nbytes].copy()  # a copy: aligned for the views
             cursor += nbytes
             return part
 
-        fragment = int(take(4).view(torch.int32)[0])
+        fragment = int(take(4).view("<i4")[0])
         if not 0 <= fragment < FRAGMENTS:
             raise ValueError(f"fragment {fragment} is not one of 0..{FRAGMENTS - 1}")
-        phi_codes = take(length).view(torch.int8)
-        phi_scales = take(phi_nbytes - length).view(torch.float32)
+        phi_codes = torch.from_numpy(take(length).view(np.int8))
+        phi_scales = torch.from_numpy(take(phi_nbytes - length).view("<f4"))
         total = sum(chunks)
-        bitmap = take(-(-total // 8))
-        codes = unpack_bits(take(-(-2 * kept // 8)), kept, 2)
-        magnitudes = take(8 * len(chunks)).view(torch.float32).view(-1, 2)
-        mask = torch.from_numpy(np.unpackbits(bitmap.numpy(), bitorder="little").astype(bool))
-        if bool(mask[total:].any()):
+        mask = np.unpackbits(take(-(-total // 8)), bitorder="little").view(np.bool_)  # a byte a value
+        codes = _CODES[take(-(-2 * kept // 8))].reshape(-1)[:kept]  # 4 codes a byte
+        magnitudes = torch.from_numpy(take(8 * len(chunks)).view("<f4"))
+        if mask[total:].any():
             raise ValueError("bits set past the last value")
-        mask = mask[:total]
-        sizes = torch.tensor(chunks, dtype=torch.int64)
-        ends = torch.cumsum(sizes, 0)
-        ones = torch.cumsum(mask.to(torch.int64), 0)[ends - 1]
-        counts = ones - torch.cat([torch.zeros(1, dtype=torch.int64), ones[:-1]])
-        per_chunk = torch.clamp(sizes, max=TOP_K)
-        if not torch.equal(counts, per_chunk):
+        sizes = np.array(chunks, dtype=np.int64)
+        per_chunk = np.minimum(sizes, TOP_K)
+        found = np.flatnonzero(mask)  # ascending: chunk by chunk
+        if not np.array_equal(np.diff(np.searchsorted(found, np.cumsum(sizes)), prepend=0), per_chunk):
             raise ValueError("a chunk sends another number of values than its share")
-        positions = torch.nonzero(mask).view(-1)  # ascending: chunk by chunk
-        chunk_of = torch.repeat_interleave(torch.arange(len(chunks)), per_chunk)
-        out = fill.to(torch.float32).clone()
+        positions = torch.from_numpy(found)
+        # Each value's magnitude: its chunk's lower (code bit 1 clear) or upper mean; its sign, bit 0.
+        which = torch.from_numpy(np.repeat(2 * np.arange(len(chunks)), per_chunk) + (codes >> 1))
+        sign = torch.from_numpy(1.0 - 2.0 * (codes & 1).astype(np.float32))
+        values = magnitudes[which] * sign
+        out = torch.empty(sum(numels), dtype=torch.float32, device=fill.device)
+        out[:half] = fill[:half]
         start = fragment * length
         known = max(0, min(length, half - start))
         out[start : start + known] = dequantize(phi_codes, phi_scales)[:known].to(out.device)
-        magnitude = torch.where((codes >> 1).bool(), magnitudes[chunk_of, 1], magnitudes[chunk_of, 0])
-        values = torch.where((codes & 1).bool(), -magnitude, magnitude)
         delta = torch.zeros(sum(numels) - half, dtype=torch.float32)
         delta[positions] = values
         out[half:] = delta.to(out.device)

@@ -1,0 +1,21 @@
+"""Whether a tensor holds only finite values, in one pass and without a mask.
+
+``torch.isfinite(t).all()`` writes a boolean mask as large as ``t`` and reads it again:
+on one CPU thread ~25 ms for the 6.5 M floats of a tiny payload, against ~1.3 ms for
+``torch.aminmax``, which reads ``t`` once. Its minimum and maximum are NaN if any value
+is (torch's reductions propagate NaN) and ±inf if any value is, so they are both finite
+exactly when every value is. It ran ~160 times a round on the outer step's path (a
+partner's payload, the new φ piece by piece), and over every tensor of each checkpoint.
+"""
+
+import torch
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Every value of ``t`` is finite (an empty tensor's are; integer tensors always are)."""
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    if t.is_complex():
+        return all_finite(torch.view_as_real(t))
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
