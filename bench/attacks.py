@@ -87,11 +87,16 @@ async def spes_of(daemon: Daemon) -> Spes:
 
 
 async def poison_experts(daemon: Daemon, scale: float) -> None:
-    store = (await spes_of(daemon)).store
+    spes = await spes_of(daemon)
+    store, versions = spes.store, spes.versions
     publish = store.publish
 
     def poisoned(seed: bytes, expert: int, round_index: int, data: bytes) -> Any:
-        return publish(seed, expert, round_index, (np.frombuffer(data, dtype=np.float32) * scale).tobytes())
+        # As the run's versions travel (int8: a NaN scale stays NaN; huge values, huge scales).
+        values = np.frombuffer(versions.decode(data, spes.expert_numel), dtype=np.float32)
+        with np.errstate(all="ignore"):
+            scaled = (values * np.float32(scale)).astype(np.float32)
+        return publish(seed, expert, round_index, versions.encode(scaled.tobytes()))
 
     store.publish = poisoned  # type: ignore[method-assign]
 

@@ -1247,6 +1247,18 @@ def _payload_target(compression: str) -> Target:
     )
 
 
+_EXPERT_NUMEL = 3 * 256 + 5  # blocks of 256 and a partial one
+
+
+def _expert_version(raw: bytes) -> object:
+    return encodings.expert_versions("int8").decode(raw, _EXPERT_NUMEL)
+
+
+def _expert_version_seeds() -> list[bytes]:
+    values = torch.randn(_EXPERT_NUMEL, generator=torch.Generator().manual_seed(0)) * 0.02
+    return [encodings.expert_versions("int8").encode(values.numpy().tobytes())]
+
+
 def _targets() -> list[Target]:
     protocol_refusal = (ProtocolError,)
     return [
@@ -1442,6 +1454,13 @@ def _targets() -> list[Target]:
             ours=False,
         ),
         *(_payload_target(name) for name in encodings.NAMES),
+        Target(
+            "expert_version_int8",
+            _expert_version,
+            (ValueError,),
+            _expert_version_seeds,
+            "training/encodings/experts.py Int8.decode: a SPES expert version, int8",
+        ),
     ]
 
 

@@ -5,6 +5,8 @@ Runs ``swarmtrain simulate`` (real daemons and workers, loopback) for each varia
     spes          sparse expert sync on tiny-moe: each node trains only its leased experts
     spes_nomerge  the same with expert merging off (spes.merge_alpha = 0)
     spes_kill     the same, the last node SIGKILLed --kill-after-s into training
+    spes_int8     the same with --compression int8 (shared weights' payloads and expert
+                  versions in int8: training/encodings/experts.py)
     moe_noloco    the same MoE fully synced: every node trains every expert (NoLoCo)
     dense_noloco  the dense tiny model (same active parameters per token), NoLoCo
 
@@ -24,6 +26,7 @@ issue's ratios (each a ratio of two variants measured in this run):
                             claim that gave each of its experts a live owner again (≤ 3)
     min_expert_load         the least-loaded expert's share of the mean load at the end (≥ 0.25)
     tokens_per_s_ratio      spes / dense_noloco compute throughput (≥ 0.8)
+    int8_bytes_ratio, int8_loss_ratio   spes_int8 / spes: bytes sent per node per round, final loss
 
     python bench/spes.py [--nodes 4] [--seeds 1,2,3] [--rounds 10] [--inner-steps 10]
 """
@@ -44,6 +47,7 @@ VARIANTS: dict[str, list[str]] = {
     "spes": ["--algorithm", "spes", "--model", "tiny-moe"],
     "spes_nomerge": ["--algorithm", "spes", "--model", "tiny-moe", "--set", "spes.merge_alpha=0"],
     "spes_kill": ["--algorithm", "spes", "--model", "tiny-moe"],
+    "spes_int8": ["--algorithm", "spes", "--model", "tiny-moe", "--compression", "int8"],
     "moe_noloco": ["--algorithm", "noloco", "--model", "tiny-moe"],
     "dense_noloco": ["--algorithm", "noloco", "--model", "tiny"],
 }
@@ -154,6 +158,9 @@ def main() -> None:
             mean("spes_kill", "memory_bytes_end") / mean("moe_noloco", "memory_bytes") if "moe_noloco" in runs else None
         )
         out["relet_rounds"] = [r.get("relet_rounds") for r in runs["spes_kill"]]
+    if {"spes", "spes_int8"} <= runs.keys():
+        out["int8_bytes_ratio"] = mean("spes_int8", "bytes_per_round") / mean("spes", "bytes_per_round")
+        out["int8_loss_ratio"] = mean("spes_int8", "final_loss") / mean("spes", "final_loss")
     if "spes" in runs:
         out["min_expert_load"] = min(r.get("min_expert_load", 0.0) for r in runs["spes"])
     if len(wide) == 2:

@@ -67,7 +67,17 @@ async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(sho
         assert any(n.peers.is_banned(hostile.peer_id) for n in honest)
 
 
-async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_replaced(short_tmp: Path) -> None:
+@pytest.mark.parametrize(
+    ("compression", "scale"),
+    [("none", 1000.0), ("int8", math.nan)],
+    ids=["float32 versions x1000", "int8 versions with NaN scales"],
+)
+async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_replaced(
+    short_tmp: Path, compression: str, scale: float
+) -> None:
+    """Refused by the worker's bounds (float32 × 1000), or by the daemon's int8 decoder
+    before the worker sees it (NaN in a block makes its scale NaN:
+    training/encodings/experts.py)."""
     from bench.attacks import poison_experts
     from node.algorithms.spes import Spes
 
@@ -76,11 +86,12 @@ async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_re
         "run__settings__algorithm": "spes",
         "run__settings__model": "micro-moe",
         "run__settings__rounds": 8,
+        "run__settings__compression": compression,
     }
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 4, spes, run_name="adv")
         *honest, hostile = nodes
-        await poison_experts(hostile, 1000.0)
+        await poison_experts(hostile, scale)
         await until(honest, lambda: all(finished(n) for n in honest), timeout_s=TIMEOUT_S)
         for node in honest:
             assert node.training is not None and isinstance(node.training.algorithm, Spes)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from training.encodings.base import Encoding
+    from training.encodings.experts import ExpertVersions
 
 MODULES = {
     "none": "training.encodings.float32",
@@ -20,6 +21,8 @@ MODULES = {
     "sparseloco": "training.encodings.sparseloco",
 }
 NAMES = tuple(MODULES)
+EXPERT_VERSIONS = {"none": "float32", "int8": "int8", "sparseloco": "int8"}
+"""How a run of each encoding sends SPES's published expert versions (training/encodings/experts.py)."""
 
 
 def encoding(name: str) -> "Encoding":
@@ -28,3 +31,12 @@ def encoding(name: str) -> "Encoding":
         raise ValueError(f"compression must be one of {', '.join(NAMES)}, got {name!r}")
     found: Encoding = importlib.import_module(MODULES[name]).ENCODING
     return found
+
+
+def expert_versions(name: str) -> "ExpertVersions":
+    """How the expert versions of a run whose ``compression`` is ``name`` travel (numpy only)."""
+    if name not in MODULES:
+        raise ValueError(f"compression must be one of {', '.join(NAMES)}, got {name!r}")
+    from training.encodings.experts import VERSIONS
+
+    return VERSIONS[EXPERT_VERSIONS[name]]

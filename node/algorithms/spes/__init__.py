@@ -30,6 +30,7 @@ from node.algorithms.spes.leases import LeaseKeeper, Progress, still_training
 from node.supervisor import WorkerConnection, WorkerGone, attach_block, close_block
 from protocol.net.peers import BAN_POINTS
 from protocol.runstate.state import MAX_EXPERTS
+from training.encodings import expert_versions
 
 logger = logging.getLogger("node.training")
 
@@ -50,6 +51,10 @@ class Spes(Noloco):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
+        self.versions = expert_versions(ctx.run.compression)
+        """How versions travel: float32, or int8 where the run compresses (training/encodings/experts.py)."""
+        self.expert_numel = 0
+        """Float32 values of one expert (known once the worker is ready)."""
         self.keeper = LeaseKeeper(
             ctx.state,
             seed=ctx.identity_seed,
@@ -96,10 +101,17 @@ class Spes(Noloco):
     def ready(self, worker: WorkerConnection) -> None:
         fields = worker.ready
         num_experts, nbytes = fields.get("num_experts"), fields.get("expert_nbytes")
-        if not (type(num_experts) is int and 0 < num_experts <= MAX_EXPERTS and type(nbytes) is int and nbytes > 0):
+        if not (
+            type(num_experts) is int
+            and 0 < num_experts <= MAX_EXPERTS
+            and type(nbytes) is int
+            and nbytes > 0
+            and nbytes % 4 == 0
+        ):
             raise WorkerGone(f"a SPES worker's ready names {num_experts!r} experts of {nbytes!r} bytes")
         held = fields.get("held_rounds")
-        self.store.configure(num_experts, nbytes)
+        self.expert_numel = nbytes // 4  # float32 values
+        self.store.configure(num_experts, self.versions.nbytes(self.expert_numel))
         self.keeper.num_experts = num_experts
         self._worker_rounds = list(held) if isinstance(held, list) and len(held) == num_experts else [-1] * num_experts
         if self._block is not None:
@@ -143,9 +155,9 @@ class Spes(Noloco):
         self.memory_curve.append(
             [round_index, len(self.owned), memory.get("grad_bytes", 0), memory.get("optimizer_state_bytes", 0)]
         )
-        nbytes = self.store.expert_nbytes
+        nbytes = 4 * self.expert_numel
         for expert in self.owned:
-            data = bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes])
+            data = self.versions.encode(bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes]))
             self.store.publish(self.ctx.identity_seed, expert, round_index, data)
             self._worker_rounds[expert] = round_index
         self.store.round = round_index + 1
@@ -154,7 +166,7 @@ class Spes(Noloco):
     async def outer_fields(self, round_index: int) -> dict[str, Any]:
         trained = set(self.owned)
         self.owned = await self._lease(round_index + 1)
-        nbytes = self.store.expert_nbytes
+        nbytes = 4 * self.expert_numel
         swaps = []
         self._swapped = {}
         for expert, held in sorted(self.store.held.items()):
@@ -162,7 +174,15 @@ class Spes(Noloco):
                 continue  # the worker trained it this round (or it is our own): its copy is the newest
             if held.head.round <= self._worker_rounds[expert]:
                 continue
-            self._block.buf[expert * nbytes : (expert + 1) * nbytes] = held.data
+            try:
+                data = self.versions.decode(held.data, self.expert_numel)
+            except ValueError as exc:  # signed by its owner: its own doing
+                self.versions_refused += 1
+                self.store.forget(held.head)
+                logger.warning("refused expert %d's version from %s: %s", expert, held.head.owner, exc)
+                await self.ctx.host.punish(held.head.owner, f"expert version refused: {exc}", points=BAN_POINTS)
+                continue
+            self._block.buf[expert * nbytes : (expert + 1) * nbytes] = data
             swaps.append([expert, held.head.round])
             self._swapped[expert] = held.head
         return {"owned": self.owned, "swap": swaps}

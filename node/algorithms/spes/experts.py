@@ -13,8 +13,11 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                                      not starting, restarting or finished)
     {t: "get", v: 1, run, expert, sha256} ─────────▶
                                          ◀───────── {t: "expert", v: 1, nbytes} then nbytes raw
-                                                     bytes (float32, training/spes.py's flat
-                                                     layout of one expert), or {t: "gone", v: 1}
+                                                     bytes (one expert's flat layout,
+                                                     training/spes.py, as the run's versions
+                                                     travel: float32, or int8 where the run
+                                                     compresses, training/encodings/experts.py),
+                                                     or {t: "gone", v: 1}
 
 A head is its owner's ed25519 signature over (run, expert, owner, round, sha256), so a
 holder can relay a version but never make one up: the asker checks the signature before it
