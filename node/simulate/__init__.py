@@ -34,7 +34,9 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          from the majority after the weights-hash agreement outvoted this node),
          and always: "connections" {peer_id: "direct" | "relayed"}, "reachability",
          "relay_reservations" [relay peer ids], "first_direct_s" (from the node's start to its
-         first direct connection to a peer it had reached by relay; null if none)}],
+         first direct connection to a peer it had reached by relay; null if none),
+         "nat_timeline" {step: s from the node's start: "asked", "verdict", "reserved", "relayed",
+         "direct"; protocol/net/nat.py NatStatus.timeline}}],
          "topology": str, "pairs": {"direct", "relayed", "unconnected"} over daemon pairs,
          "direct_pair_fraction": float}
 Times are seconds since the simulation started; ``ready_s`` is when the node's control API
@@ -419,6 +421,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
             "reachability": s.get("reachability"),
             "relay_reservations": sorted((s.get("nat") or {}).get("reservations", {})),
             "first_direct_s": (s.get("nat") or {}).get("first_direct_s"),
+            "nat_timeline": (s.get("nat") or {}).get("timeline", {}),
             **_training_entry(s.get("training")),
         }
 

@@ -172,6 +172,10 @@ class NatStatus:
     """The router's public address and port forwarded to us, while mapped."""
     first_direct_s: float | None = None
     """Seconds from start to the first direct connection to a peer we had reached only by relay."""
+    timeline: dict[str, float] = field(default_factory=dict)
+    """Seconds from start to the first of each step on the way to a hole punch: ``asked``
+    (the first dial-back request), ``verdict`` (reachability decided), ``reserved`` (a relay
+    slot), ``relayed`` (a connection through a relay), ``direct`` (as ``first_direct_s``)."""
 
 
 def is_circuit(addr: str) -> bool:
@@ -359,10 +363,11 @@ class Nat:
             for peer_id, kind in types.items():
                 self._redials.forget(peer_id)
                 if kind == "relayed":
+                    self._mark("relayed")
                     self._relayed_once.add(peer_id)
                     self._maybe_punch_again(peer_id)
                 elif peer_id in self._relayed_once and self.status.first_direct_s is None:
-                    self.status.first_direct_s = round(trio.current_time() - self._started_at, 3)
+                    self.status.first_direct_s = self._mark("direct")
                     logger.info("hole punch: direct connection to %s", peer_id)
             await trio.sleep(POLL_S)
 
@@ -466,6 +471,7 @@ class Nat:
         servers = self._servers(host)
         if not ports or not servers:
             return self.status.reachability
+        self._mark("asked")
         answers: list[tuple[str, str, bool, str | None]] = []
         """(server, its IP on our connection, reached, the IP it saw us on) per answer."""
 
@@ -498,6 +504,8 @@ class Nat:
             )
             self.status.reachability = reachability
             self.status.observed_ip = observed
+            if reachability != "unknown":
+                self._mark("verdict")
             self.status.offering_relay = self._offering()
             self._notify()
         return reachability
@@ -585,7 +593,7 @@ class Nat:
             self._reserve_failed[relay] = (trio.current_time(), min(2 * previous, RESERVE_RETRY_MAX_S))
             return False
         self._reserve_failed.pop(relay, None)
-        self.status.reservations[relay] = Reservation(relay, relay_addr, trio.current_time() - self._started_at)
+        self.status.reservations[relay] = Reservation(relay, relay_addr, self._mark("reserved"))
         logger.info("reserved a relay slot on %s (%s)", relay, relay_addr)
         self._notify()
         return True
@@ -594,6 +602,12 @@ class Nat:
         """The address we reached a peer on (its listen address when we dialed it)."""
         remote = remote_ip(self._raw, peer_id)
         return ip_addr(*remote) if remote else None
+
+    def _mark(self, step: str) -> float:
+        """Seconds since start; the first time of ``step`` goes into the timeline."""
+        now_s = round(trio.current_time() - self._started_at, 3)
+        self.status.timeline.setdefault(step, now_s)
+        return now_s
 
     def _notify(self) -> None:
         self.status.offering_relay = self._offering()
@@ -611,6 +625,7 @@ class Nat:
             "upnp": s.upnp,
             "upnp_addr": s.upnp_addr,
             "first_direct_s": s.first_direct_s,
+            "timeline": dict(s.timeline),
         }
 
 
