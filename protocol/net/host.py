@@ -59,7 +59,7 @@ from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported:
 from protocol.net.hostlike import PeerAddrs as PeerAddrs
 from protocol.net.hostlike import serve_guarded
 from protocol.net.libp2p_fixes import guard_host
-from protocol.net.nat import DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
+from protocol.net.nat import CIRCUIT_PEER_DIRECT_S, DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
 from protocol.net.peers import PeerTable
 from protocol.net.traffic import count_libp2p
 from protocol.ratelimit import ChainedLimit, RateLimit
@@ -321,7 +321,10 @@ class Host:
         """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure.
 
         Direct addresses first; if they fail and the peer may sit behind a NAT, through a
-        relay: its own circuit addresses, then the relays we hold reservations on.
+        relay: its own circuit addresses, then the relays we hold reservations on. A peer
+        that publishes a circuit address gets only a short head start on its direct
+        addresses (``CIRCUIT_PEER_DIRECT_S``: it found itself undialable); DCUtR then
+        upgrades the relayed connection.
         """
         if peer.peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
@@ -338,6 +341,8 @@ class Host:
         circuits = self.nat.circuit_addrs_for(peer.peer_id, list(peer.addrs))
         deadline = trio.current_time() + timeout_s
         direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
+        if any(is_circuit(a) for a in peer.addrs):
+            direct_s = min(direct_s, CIRCUIT_PEER_DIRECT_S)
         error = f"dial {peer.peer_id} timed out after {direct_s:g} s"
         if not addrs and any(not is_circuit(a) for a in peer.addrs):
             error = f"no address of {peer.peer_id} resolves: {', '.join(peer.addrs)}"

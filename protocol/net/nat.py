@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
@@ -93,8 +93,17 @@ CONFIRMATIONS = 2
 # Servers whose latest verdict we keep (the oldest goes first): a check asks 3, and a
 # handful of minutes of checks is all a verdict lives; bounded because strangers come and go.
 MAX_VERDICTS = 64
-# How often the loops look at connections and addresses (cheap: dict scans).
+# Servers whose last request time we keep, to skip those within their cooldown.
+MAX_ASKED = 4096
+# How often the loops look at addresses and back-offs (cheap: dict scans); they also wake
+# at once when our status changes (``Nat.changed``: reachability, relay slots, connections).
 POLL_S = 1.0
+# How often the connection watcher looks at the connection table (a dict scan). What it sees
+# (a new direct peer to ask for a dial-back, a relayed connection to hole-punch) starts the
+# next step, so it looks more often than the other loops. (libp2p's connection notifee was
+# tried instead: with it, trainers in one process stopped making rounds in
+# tests/test_joining.py, not understood yet.)
+WATCH_S = 0.25
 WANTED_RELAYS = 2
 RESERVE_TIMEOUT_S = 8.0
 # A peer that refused a slot (most peers are not relays) is asked again after 30 s, then
@@ -104,6 +113,9 @@ RESERVE_RETRY_MAX_S = 1800.0
 # Before falling back to a relay, how long a direct dial of a peer that has relay
 # addresses may take (a NAT drops our SYNs silently: only a timeout tells).
 DIRECT_FIRST_TIMEOUT_S = 3.0
+# The same, for a peer that publishes a circuit address of its own: dial-backs found it
+# undialable, so its direct addresses answer only from its own network (a LAN: milliseconds).
+CIRCUIT_PEER_DIRECT_S = 0.5
 DCUTR_DIAL_TIMEOUT_S = 5
 # Extra hole-punch rounds for a pair still relayed: after 20 s, then 40, 80, 160, 320 s.
 PUNCH_RETRY_S = 20.0
@@ -175,11 +187,28 @@ class NatStatus:
     timeline: dict[str, float] = field(default_factory=dict)
     """Seconds from start to the first of each step on the way to a hole punch: ``asked``
     (the first dial-back request), ``verdict`` (reachability decided), ``reserved`` (a relay
-    slot), ``relayed`` (a connection through a relay), ``direct`` (as ``first_direct_s``)."""
+    slot), ``relayed`` (a connection through a relay), ``punch`` (we started a hole punch on
+    one), ``direct`` (as ``first_direct_s``)."""
 
 
 def is_circuit(addr: str) -> bool:
     return "/p2p-circuit" in addr
+
+
+class _HolePunch(DCUtRProtocol):  # type: ignore[misc]  # libp2p's module is untyped to mypy here
+    """libp2p's DCUtR without its "unilateral upgrade" (a plain direct dial of the peer's
+    known addresses, for up to ``dial_timeout``, before every hole punch).
+
+    A relayed connection exists because a direct dial failed (``Host.connect`` dials direct
+    addresses first), and the hole punch itself dials every address we know of the peer
+    plus those it observed for itself, so a reachable one is still found. Behind NATs
+    the plain dial only delays the punch: its SYNs to the peer's private address are
+    dropped and it waited out all 5 s (measured in the test bed: ``relayed`` to ``direct``
+    took 6 s, 5 of them here).
+    """
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        return False
 
 
 class Retries:
@@ -287,8 +316,14 @@ class Nat:
             self.status.offering_relay = self._offering()
         self.changed = trio.Event()
         """Set (and replaced) whenever reachability, our relay slots or a connection's type change."""
+        self._news = trio.Event()
+        """Set (and replaced) with ``changed``: wakes our other loops at once."""
         self._preferred: list[str] = []
         self._verdicts = Verdicts()
+        self._checking = trio.Lock()
+        self._asked: dict[str, float] = {}
+        """Server → when we last asked it for a dial-back."""
+        self._last_check_answered = False
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
@@ -302,7 +337,7 @@ class Nat:
         self._circuit = CircuitV2Protocol(raw_host, limits=limits, allow_hop=False)
         roles = RelayRole.STOP | RelayRole.CLIENT
         self._transport = CircuitV2Transport(raw_host, self._circuit, RelayConfig(roles=roles, limits=limits))
-        self._dcutr = DCUtRProtocol(raw_host, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
+        self._dcutr = _HolePunch(raw_host, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
         if policy.mode != "off":
             raw_host.set_stream_handler(HOP_PROTOCOL_ID, self._serve_hop)
 
@@ -354,9 +389,10 @@ class Nat:
         ``changed`` when any connection comes, goes or changes type (libp2p has no event)."""
         last: dict[str, str] = {}
         while True:
+            news = self._news  # taken first: a connection that comes while we look still wakes us
             types = self.connection_types()
-            if types != last:
-                last = types
+            before, last = last, types
+            if types != before:
                 self._notify()
             for peer_id in self._relayed_once - types.keys():
                 self._maybe_redial(peer_id)
@@ -365,11 +401,24 @@ class Nat:
                 if kind == "relayed":
                     self._mark("relayed")
                     self._relayed_once.add(peer_id)
+                    if before.get(peer_id) != "relayed":
+                        self._punch_now_if_first(peer_id)
                     self._maybe_punch_again(peer_id)
                 elif peer_id in self._relayed_once and self.status.first_direct_s is None:
                     self.status.first_direct_s = self._mark("direct")
                     logger.info("hole punch: direct connection to %s", peer_id)
-            await trio.sleep(POLL_S)
+            await _nap(news, WATCH_S)
+
+    def _punch_now_if_first(self, peer_id: str) -> None:
+        """A new relayed connection: the side whose peer id sorts first starts the hole punch
+        at once. libp2p's own driver looks only every 2 s (from both sides; it stays the
+        fallback, and it skips a peer whose punch is under way). One side only, because two
+        members often dial each other through relays at the same time, so "the inbound side
+        starts" (DCUtR's spec) could name both or neither."""
+        if peer_id < self._raw.get_id().to_base58() or not self.policy.hole_punch or self._nursery is None:
+            return
+        self._mark("punch")
+        self._nursery.start_soon(self._punch, peer_id)
 
     def _maybe_punch_again(self, peer_id: str) -> None:
         """DCUtR tries three times per connection, seconds apart; on a busy machine or a
@@ -460,18 +509,37 @@ class Nat:
         return sorted(set(ports))[: dialback.MAX_PORTS]
 
     def _servers(self, host: DirectHostLike) -> list[str]:
-        direct = [p for p, kind in self.connection_types().items() if kind == "direct"]
+        """Direct peers to ask, preferred first; not those asked within the dial-back
+        cooldown (they would refuse)."""
+        now = trio.current_time()
+        direct = [
+            p
+            for p, kind in self.connection_types().items()
+            if kind == "direct" and now - self._asked.get(p, -dialback.COOLDOWN_S) >= dialback.COOLDOWN_S
+        ]
         preferred = [p for p in self._preferred if p in direct]
         others = [p for p in direct if p not in preferred]
         random.shuffle(others)
         return (preferred + others)[:SERVERS_PER_CHECK]
 
     async def check_reachability(self, host: DirectHostLike) -> str:
+        """Ask up to ``SERVERS_PER_CHECK`` peers for dial-backs; the reachability their
+        verdicts add up to. One check at a time (a second caller waits, then asks only
+        peers the first did not)."""
+        async with self._checking:
+            return await self._check_reachability(host)
+
+    async def _check_reachability(self, host: DirectHostLike) -> str:
         ports = self._listen_ports()
         servers = self._servers(host)
+        self._last_check_answered = False
         if not ports or not servers:
             return self.status.reachability
         self._mark("asked")
+        if len(self._asked) > MAX_ASKED:  # bounded: strangers come and go
+            self._asked.clear()
+        for server in servers:
+            self._asked[server] = trio.current_time()
         answers: list[tuple[str, str, bool, str | None]] = []
         """(server, its IP on our connection, reached, the IP it saw us on) per answer."""
 
@@ -487,6 +555,7 @@ class Nat:
             for server in servers:
                 nursery.start_soon(ask, server)
         self.status.checks += 1
+        self._last_check_answered = bool(answers)
         if not answers:
             return self.status.reachability
         now = trio.current_time()
@@ -515,6 +584,7 @@ class Nat:
         addrs: list[str] = []
         last_check = -RECHECK_INTERVAL_S
         while True:
+            news = self._news
             now = trio.current_time()
             current = [a for a in host.addrs() if not is_circuit(a)]  # listen ports and interface IPs
             due = current != addrs or self.status.reachability == "unknown" or now - last_check >= RECHECK_INTERVAL_S
@@ -525,21 +595,23 @@ class Nat:
                 addrs = current
                 last_check = now
                 await self.check_reachability(host)
-                if self.status.reachability == "unknown":
+                if not self._last_check_answered:
                     await trio.sleep(5 * POLL_S)  # nobody answered: do not hammer them
-            await trio.sleep(POLL_S)
+                    continue
+            await _nap(news)  # still unknown: a peer that connects is asked at once
 
     # --- reservations ---
 
     async def _reservation_loop(self, host: DirectHostLike) -> None:
         while True:
+            news = self._news
             self._drop_lost_relays()
             if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:
                 for relay in self._relay_candidates():
                     await self.reserve(relay)
                     if len(self.status.reservations) >= WANTED_RELAYS:
                         break
-            await trio.sleep(POLL_S)
+            await _nap(news)
 
     def _drop_lost_relays(self) -> None:
         connected = {p.to_base58() for p in self._raw.get_connected_peers()}
@@ -613,6 +685,11 @@ class Nat:
         self.status.offering_relay = self._offering()
         self.changed.set()
         self.changed = trio.Event()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._news.set()
+        self._news = trio.Event()
 
     def summary(self) -> dict[str, Any]:
         s = self.status
@@ -627,6 +704,12 @@ class Nat:
             "first_direct_s": s.first_direct_s,
             "timeline": dict(s.timeline),
         }
+
+
+async def _nap(news: trio.Event, timeout_s: float = POLL_S) -> None:
+    """Until ``news`` is set or ``timeout_s`` passed."""
+    with trio.move_on_after(timeout_s):
+        await news.wait()
 
 
 async def _close_quietly(stream: INetStream) -> None:

@@ -9,7 +9,10 @@ Tasks, all in one nursery:
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
   at most one pull per peer per MIN_PULL_SPACING_S;
 - members: dial members we read about in the document but are not connected to (live
-  ones first, a bounded number per sweep: a stranger's made-up members cost little);
+  ones first, a bounded number per sweep and in flight: a stranger's made-up members cost
+  little). Each dial is a task of its own, so one that hangs (a NAT drops SYNs silently)
+  holds up no other; a member whose record changed (new addresses: a relay slot) is dialed
+  again at once, even while the dial of its old addresses still runs or backs off;
 - upkeep: after changes, write back the newest record of live members (and ours), and the
   best lease of live owners, that a delete or a replay took out of the document, and past
   ``MAX_MEMBERS`` records evict the silent oldest (protocol/runstate/state.py: the admission
@@ -40,7 +43,8 @@ logger = logging.getLogger(__name__)
 NUM_PULL_WORKERS = 4
 PULL_QUEUE_SIZE = 256
 MAX_PARALLEL_MEMBER_DIALS = 8
-# Members dialed per sweep: enough for any honest run's newcomers between two sweeps.
+# Members dialed per sweep, and member dials in flight (queued for the limiter or dialing):
+# enough for any honest run's newcomers between two sweeps.
 MAX_DIALS_PER_SWEEP = 32
 # Upkeep (restores, evictions) at most this often: every write leaves a tombstone, and an
 # attacker replaying old records should cost us a write per second at most, not per message.
@@ -75,7 +79,8 @@ class RunService:
         self._pull_send, self._pull_receive = trio.open_memory_channel[str](PULL_QUEUE_SIZE)
         self._queued: set[str] = set()
         self._last_pull: dict[str, float] = {}
-        self._failed_dials: dict[str, float] = {}
+        self._failed_dials: dict[str, tuple[float, tuple[str, ...]]] = {}
+        """Member → when a dial of it failed, and the addresses it dialed (new ones are tried at once)."""
         self._met_someone = trio.Event()
         self.num_pulls = 0
         self.num_gossip_received = 0
@@ -204,37 +209,51 @@ class RunService:
 
     async def _member_dial_loop(self) -> None:
         limiter = trio.CapacityLimiter(MAX_PARALLEL_MEMBER_DIALS)
+        dialing: dict[str, tuple[str, ...]] = {}
+        """Member → the addresses its newest dial is trying."""
+        in_flight = 0
 
         async def dial(peer: PeerAddrs) -> None:
-            async with limiter:
-                try:
+            nonlocal in_flight
+            try:
+                async with limiter:
                     await self._host.connect(peer, timeout_s=self._dial_timeout_s)
-                except ProtocolError as exc:
-                    self._failed_dials[peer.peer_id] = trio.current_time()
-                    logger.debug("member %s unreachable: %s", peer.peer_id, exc)
-                    return
+            except ProtocolError as exc:
+                self._failed_dials[peer.peer_id] = (trio.current_time(), peer.addrs)
+                logger.debug("member %s unreachable: %s", peer.peer_id, exc)
+                return
+            finally:
+                in_flight -= 1
+                if dialing.get(peer.peer_id) == peer.addrs:
+                    del dialing[peer.peer_id]
             await self.on_peer_connected(peer.peer_id, "member")
 
-        while True:
-            changed = self.state.changed  # taken first: a change while we dial still wakes us
-            connected = self._host.connected_peers()
-            now = trio.current_time()
-            candidates = [
-                m
-                for m in self.state.members.values()
-                if m.peer_id != self._host.peer_id
-                and m.peer_id not in connected
-                and m.addrs
-                and not self.peers.is_banned(m.peer_id)
-                and now - self._failed_dials.get(m.peer_id, -1e9) > self.peers.ttl_s
-            ]
-            candidates.sort(key=lambda m: (not self.peers.is_live(m.peer_id), -m.seq))
-            to_dial = [PeerAddrs(m.peer_id, m.addrs) for m in candidates[:MAX_DIALS_PER_SWEEP]]
-            async with trio.open_nursery() as nursery:
-                for peer in to_dial:
-                    nursery.start_soon(dial, peer)
-            with trio.move_on_after(self._anti_entropy_interval_s):
-                await changed.wait()
+        def backing_off(peer_id: str, addrs: tuple[str, ...], now: float) -> bool:
+            failed_at, failed_addrs = self._failed_dials.get(peer_id, (-1e9, ()))
+            return failed_addrs == addrs and now - failed_at <= self.peers.ttl_s
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                changed = self.state.changed  # taken first: a change while we dial still wakes us
+                connected = self._host.connected_peers()
+                now = trio.current_time()
+                candidates = [
+                    m
+                    for m in self.state.members.values()
+                    if m.peer_id != self._host.peer_id
+                    and m.peer_id not in connected
+                    and m.addrs
+                    and dialing.get(m.peer_id) != m.addrs
+                    and not self.peers.is_banned(m.peer_id)
+                    and not backing_off(m.peer_id, m.addrs, now)
+                ]
+                candidates.sort(key=lambda m: (not self.peers.is_live(m.peer_id), -m.seq))
+                for m in candidates[: max(0, MAX_DIALS_PER_SWEEP - in_flight)]:
+                    dialing[m.peer_id] = m.addrs
+                    in_flight += 1
+                    nursery.start_soon(dial, PeerAddrs(m.peer_id, m.addrs))
+                with trio.move_on_after(self._anti_entropy_interval_s):
+                    await changed.wait()
 
     async def _upkeep_loop(self) -> None:
         while True:
