@@ -224,3 +224,70 @@ def test_retries_double_their_wait_and_stop_at_the_limit() -> None:
     assert now.take("q", 5.0) == 1 and not now.exhausted("q")
     now.forget("q")
     assert now.take("q", 5.0) == 1
+
+
+def test_an_address_on_the_internet_is_told_from_a_private_one() -> None:
+    from protocol.net.addrs import is_global_addr
+
+    assert is_global_addr("/ip4/8.8.8.8/tcp/4001") and is_global_addr("/dns4/example.org/tcp/4001")
+    assert is_global_addr("/ip6/2001:4860:4860::8888/tcp/4001")
+    for addr in ("/ip4/10.1.2.3/tcp/4001", "/ip4/127.0.0.1/tcp/1", "/ip6/fe80::1/tcp/1", "/ip4/192.168.0.2/tcp/1"):
+        assert not is_global_addr(addr), addr
+    assert not is_global_addr("/ip4/8.8.8.8/tcp/4001/p2p/QmRelay/p2p-circuit/p2p/QmUs")
+    assert not is_global_addr("/ip4/not-an-ip/tcp/1") and not is_global_addr("garbage")
+
+
+def test_a_servers_verdict_counts_until_the_recheck_and_it_is_not_asked_again_before() -> None:
+    """While reachability stays unknown (every peer on one IP), asking the same peers again
+    at each cooldown adds no confirmation and cost a dial-back a second per ten peers."""
+    verdicts = nat.Verdicts()
+    verdicts.add("a", "10.0.0.1", True, now=100.0)
+    assert verdicts.fresh("a", 100.0 + nat.RECHECK_INTERVAL_S) and not verdicts.fresh("b", 100.0)
+    assert not verdicts.fresh("a", 100.0 + nat.RECHECK_INTERVAL_S + 1)
+    verdicts.forget()  # our addresses changed: ask again
+    assert not verdicts.fresh("a", 101.0)
+
+
+class _Peerstore:
+    def __init__(self, addrs: list[str]) -> None:
+        self._addrs = addrs
+
+    def addrs(self, peer_id: object) -> list[str]:
+        return self._addrs
+
+
+class _RawHost:
+    def __init__(self, addrs: list[str]) -> None:
+        self._store = _Peerstore(addrs)
+
+    def get_peerstore(self) -> _Peerstore:
+        return self._store
+
+
+@pytest.mark.parametrize(
+    ("known", "dials"),
+    [
+        (["/ip4/10.0.0.5/tcp/1", "/ip4/1.2.3.4/tcp/1/p2p/QmR/p2p-circuit/p2p/QmA"], False),  # behind a NAT: punch
+        (["/ip4/1.2.3.4/tcp/1"], True),  # maybe public: a plain dial first
+    ],
+)
+async def test_a_plain_direct_dial_before_a_punch_only_for_a_peer_without_a_circuit(
+    monkeypatch: pytest.MonkeyPatch, known: list[str], dials: bool
+) -> None:
+    """libp2p's step before a punch (a plain dial, up to 5 s) is skipped for a peer behind a
+    NAT (it publishes a circuit: the dial only times out), and kept, shorter, for the others:
+    our punch dials as the responder, which stalls against a plain (public) listener."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    assert "_try_unilateral_upgrade" in vars(DCUtRProtocol)  # the libp2p step we override
+    called: list[object] = []
+
+    async def plain_dial(self: object, peer_id: object) -> bool:
+        called.append(peer_id)
+        return True
+
+    monkeypatch.setattr(DCUtRProtocol, "_try_unilateral_upgrade", plain_dial)
+    punch = nat._HolePunch.__new__(nat._HolePunch)
+    punch.host = _RawHost(known)
+    assert await punch._try_unilateral_upgrade("peer") is dials
+    assert called == (["peer"] if dials else [])

@@ -39,6 +39,23 @@ def plain_ip(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return parsed
 
 
+def is_global_addr(addr: str) -> bool:
+    """Whether a transport address may reach a machine on the internet: an ``/ip4`` or
+    ``/ip6`` address that is globally routable, or a DNS name (resolved later: assumed so);
+    not a private, loopback or link-local one, nor a relay circuit."""
+    parts = addr.split("/")
+    if "/p2p-circuit" in addr or len(parts) < 3:
+        return False
+    if parts[1] in DNS_FAMILIES:
+        return True
+    if parts[1] not in _FAMILIES:
+        return False
+    try:
+        return plain_ip(parts[2]).is_global
+    except ValueError:
+        return False
+
+
 def ip_addr(ip: str, port: int) -> str:
     """``/ip4/<ip>/tcp/<port>`` or ``/ip6/<ip>/tcp/<port>``, as ``ip`` is."""
     parsed = plain_ip(ip)

@@ -50,7 +50,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import BadMessage, DialError, NotSupported, ProtocolError, StreamError
-from protocol.net.addrs import announce_for, ensure_port_free, on_local_ips, resolve_addr
+from protocol.net.addrs import announce_for, ensure_port_free, is_global_addr, on_local_ips, resolve_addr
 from protocol.net.addrs import check_listen_addr as check_listen_addr  # re-exported
 from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of
 from protocol.net.dialback import DialbackServer
@@ -341,7 +341,9 @@ class Host:
         circuits = self.nat.circuit_addrs_for(peer.peer_id, list(peer.addrs))
         deadline = trio.current_time() + timeout_s
         direct_s = min(timeout_s, DIRECT_FIRST_TIMEOUT_S) if circuits else timeout_s
-        if any(is_circuit(a) for a in peer.addrs):
+        if any(is_circuit(a) for a in peer.addrs) and not any(is_global_addr(a) for a in peer.addrs):
+            # Only its own network reaches it directly; an address on the internet (a port its
+            # router maps for it) keeps the whole head start: a WAN handshake takes round trips.
             direct_s = min(direct_s, CIRCUIT_PEER_DIRECT_S)
         error = f"dial {peer.peer_id} timed out after {direct_s:g} s"
         if not addrs and any(not is_circuit(a) for a in peer.addrs):
