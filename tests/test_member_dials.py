@@ -1,5 +1,7 @@
-"""Member dials (protocol/runstate/run.py): a member whose record gets new addresses is dialed
-at once, even while the dial of its old addresses still hangs.
+"""Member dials (protocol/runstate/dials.py): a member whose record gets new addresses is
+dialed at once, and the dial of its old addresses, still hanging, is cancelled; a member
+reached some other way has its dial cancelled; fresh addresses in every record do not dodge
+the back-off.
 
 Behind NATs a member's first record names only its private address (dials of it hang until
 their timeout: the NAT drops the SYNs) and its next one, a second later, its relay circuit.
@@ -12,6 +14,7 @@ import trio.testing
 
 from protocol.errors import DialError
 from protocol.net.hostlike import PeerAddrs
+from protocol.runstate.dials import MAX_DIALS_PER_MEMBER
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
 from tests.fakenet import FakeHost, FakeNetwork, Faults
@@ -20,30 +23,33 @@ RUN = "dials-abc123"
 PRIVATE = ("/ip4/192.168.3.2/tcp/4001",)
 WITH_CIRCUIT = (*PRIVATE, "/ip4/10.0.0.2/tcp/4001/p2p/relay/p2p-circuit")
 DIAL_TIMEOUT_S = 10.0
+PEER_TTL_S = 30.0
 
 
 class NatDialer(FakeHost):
-    """Dials of ``PRIVATE`` alone hang until their timeout, as a NAT makes them."""
+    """Dials of addresses without a relay circuit hang until their timeout, as a NAT makes them."""
 
     def __init__(self, net: FakeNetwork, seed: bytes) -> None:
-        super().__init__(net, seed, peer_ttl_s=30.0)
+        super().__init__(net, seed, peer_ttl_s=PEER_TTL_S)
         self.dialed: list[tuple[str, ...]] = []
-        self.hanging = 0
-        self.hanging_when_circuit_dialed: int | None = None
+        self.num_cancelled = 0
+        self.num_timed_out = 0
         self.hung = trio.Event()
+        self.cancelled = trio.Event()
         self.reached = trio.Event()
 
     async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
         self.dialed.append(peer.addrs)
-        if peer.addrs == PRIVATE:
-            self.hanging += 1
+        if not any("/p2p-circuit" in a for a in peer.addrs):
             self.hung.set()
             try:
                 await trio.sleep(timeout_s)  # virtual time: only the timeout tells
-            finally:
-                self.hanging -= 1
+            except trio.Cancelled:
+                self.num_cancelled += 1
+                self.cancelled.set()
+                raise
+            self.num_timed_out += 1
             raise DialError(f"dial {peer.peer_id} timed out after {timeout_s:g} s")
-        self.hanging_when_circuit_dialed = self.hanging
         await super().connect(peer, timeout_s=timeout_s)
         self.reached.set()
 
@@ -52,9 +58,7 @@ def member(host: FakeHost, addrs: tuple[str, ...], seq: int) -> MemberRecord:
     return sign_member(MemberRecord(host.peer_id, addrs, "trainer", "cpu", 1 << 30, 1.7e9, seq), host.seed, RUN)
 
 
-async def test_a_member_with_new_addresses_is_dialed_at_once_while_the_old_dial_hangs(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
+def setup() -> tuple[FakeNetwork, NatDialer, FakeHost, RunState, RunService]:
     net = FakeNetwork(5, Faults())
     us = NatDialer(net, bytes([1]) * 32)
     net.hosts[us.peer_id] = us
@@ -71,13 +75,56 @@ async def test_a_member_with_new_addresses_is_dialed_at_once_while_the_old_dial_
         anti_entropy_interval_s=2.0,
         dial_timeout_s=DIAL_TIMEOUT_S,
     )
+    return net, us, them, state, service
+
+
+async def test_a_member_with_new_addresses_is_dialed_at_once_and_the_old_dial_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The old dial held a dial slot until its timeout and then, falling back to our relays,
+    could make a second (relayed) connection to a member already reached."""
+    net, us, them, state, service = setup()
     async with net.running(), trio.open_nursery() as nursery:
         await nursery.start(service.run)
         with trio.fail_after(DIAL_TIMEOUT_S):
             await us.hung.wait()
         state.put_member(member(them, WITH_CIRCUIT, 2))  # its relay slot came
-        with trio.fail_after(60):
+        with trio.fail_after(DIAL_TIMEOUT_S):  # not after the old dial gave up
             await us.reached.wait()
+            await us.cancelled.wait()
         assert us.dialed == [PRIVATE, WITH_CIRCUIT]
-        assert us.hanging_when_circuit_dialed == 1  # not after the old dial gave up
+        assert (us.num_cancelled, us.num_timed_out) == (1, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_dial_of_a_member_that_reached_us_is_cancelled(autojump_clock: trio.testing.MockClock) -> None:
+    net, us, them, _, service = setup()
+    async with net.running(), trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        with trio.fail_after(DIAL_TIMEOUT_S):
+            await us.hung.wait()
+        await them.connect(PeerAddrs(us.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)  # it dialed us
+        with trio.fail_after(DIAL_TIMEOUT_S):  # the next sweep, not the dial's timeout
+            await us.cancelled.wait()
+        assert us.dialed == [PRIVATE] and us.num_timed_out == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_fresh_addresses_in_every_record_do_not_dodge_the_back_off(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A member that names new (unreachable) addresses in each record it publishes is dialed
+    ``MAX_DIALS_PER_MEMBER`` times per peer TTL, not once per record."""
+    net, us, them, state, service = setup()
+    async with net.running(), trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        for seq in range(2, 10):
+            await trio.testing.wait_all_tasks_blocked()  # the sweep read the record before
+            state.put_member(member(them, (f"/ip4/192.168.3.{seq}/tcp/4001",), seq))
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(us.dialed) == MAX_DIALS_PER_MEMBER
+        autojump_clock.jump(PEER_TTL_S + 1)  # the window is over: its newest record is dialed
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(us.dialed) == MAX_DIALS_PER_MEMBER + 1
+        assert us.dialed[-1] == ("/ip4/192.168.3.9/tcp/4001",)
         nursery.cancel_scope.cancel()

@@ -16,6 +16,7 @@ from node.algorithms.noloco.pairing import Pairing
 from protocol import wire
 from protocol.errors import ProtocolError
 from protocol.net import dialback, exchange, nat
+from protocol.net import host as host_module
 from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.net.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
 from protocol.ratelimit import RateLimit
@@ -291,3 +292,140 @@ async def test_a_plain_direct_dial_before_a_punch_only_for_a_peer_without_a_circ
     punch.host = _RawHost(known)
     assert await punch._try_unilateral_upgrade("peer") is dials
     assert called == (["peer"] if dials else [])
+
+
+async def test_a_peer_asked_for_a_dial_back_is_not_asked_again_within_its_cooldown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It would refuse ("asked too often"). A server that refused gave no verdict, so only the
+    cooldown keeps us from asking it at each check (the reachability loop and callers share it)."""
+    monkeypatch.setattr(dialback, "COOLDOWN_S", 3600.0)  # longer than this test, however slow
+    requests: list[str] = []
+
+    async def refuses(stream: Stream) -> None:
+        await wire.receive(stream, msg_types=frozenset({"dialback?"}), version=dialback.VERSION, max_nbytes=1024)
+        requests.append(stream.peer_id)
+        await wire.send(stream, "dialback", dialback.VERSION, {"ok": [], "ip": "", "refused": "asked too often"})
+
+    async with (
+        host(15, nat.NatPolicy(reachability="public", hole_punch=False)) as server,
+        host(16, nat.NatPolicy(hole_punch=False)) as client,
+    ):
+        server.set_handler(dialback.PROTOCOL_ID, refuses)
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        for _ in range(3):  # the loop asks it as soon as it is connected, or this call does
+            assert await client.nat.check_reachability(client) == "unknown"
+        assert requests == [client.peer_id]
+        assert client.nat.status.timeline["asked"] >= 0
+
+
+def test_dial_back_asks_remember_each_server_for_its_cooldown_and_stay_bounded() -> None:
+    asks = nat.DialbackAsks()
+    asks.note(["a", "b"], 100.0)
+    assert not asks.due("a", 100.0 + dialback.COOLDOWN_S - 0.1) and asks.due("c", 100.0)
+    assert asks.due("a", 100.0 + dialback.COOLDOWN_S)
+    asks.note([f"old{i}" for i in range(nat.MAX_ASKED + 1)], 0.0)
+    asks.note(["new"], 50.0)  # past the bound: only those within their cooldown are kept
+    assert not asks.due("new", 50.0) and asks.due("old1", 5.0)
+
+
+def test_hole_punches_are_bounded_per_peer_and_in_all() -> None:
+    punches = nat.Punches()
+    spacing = nat.PUNCH_AT_ONCE_S
+    at_once = [punches.take_at_once("p", t) for t in (0.0, 2 * spacing - 0.1, 2 * spacing, 6 * spacing - 0.1)]
+    assert at_once == [True, False, True, False]
+    assert punches.take_at_once("p", 6 * spacing) and nat.PUNCHES_AT_ONCE == 3
+    assert not punches.take_at_once("p", 1e9)  # a relayed connection that keeps coming back
+    punches.running.update(f"peer{i}" for i in range(nat.MAX_PUNCHES_IN_FLIGHT))
+    assert not punches.may_start("q") and not punches.take_at_once("q", 0.0)  # a burst waits
+    punches.running.discard("peer0")
+    assert punches.take_at_once("q", 0.0)  # the refusal above did not use up its budget
+    assert not punches.may_start("peer1")  # one at a time per peer
+
+
+def test_the_connection_watcher_looks_often_only_on_the_way_to_a_hole_punch() -> None:
+    direct = {"a": "direct"}
+    assert nat.watch_interval_s("public", direct) == nat.POLL_S  # nothing to ask or to punch
+    assert nat.watch_interval_s("public", {**direct, "b": "relayed"}) == nat.WATCH_S
+    assert nat.watch_interval_s("unknown", direct) == nat.watch_interval_s("private", {}) == nat.WATCH_S
+
+
+PUNCHING = nat.NatPolicy(mode="off", reachability="private", hole_punch=True)
+
+
+async def test_only_the_side_whose_id_sorts_first_punches_a_new_relayed_connection_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both sides see the relayed connection; one starting the punch is enough (two members
+    often dial each other through relays at once, so "the inbound side" names both or none).
+    libp2p's own driver (every 2 s) is held off, and the punch only recorded: on loopback it
+    would succeed at once."""
+    punches: list[tuple[str, str]] = []
+    punched = trio.Event()
+
+    async def record(self: nat._HolePunch, peer_id: object) -> bool:
+        punches.append((self.host.get_id().to_base58(), str(peer_id)))
+        punched.set()
+        return False
+
+    monkeypatch.setattr(nat._HolePunch, "initiate_hole_punch", record)
+
+    async def no_driver(self: nat._HolePunch) -> None:
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(nat._HolePunch, "_auto_drive_loop", no_driver)
+    async with host(1, RELAY) as relay, host(17, PUNCHING) as a, host(18, PUNCHING) as b:
+        for private in (a, b):
+            private.nat.prefer([relay.peer_id])
+            await private.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+            await wait_for(private.nat, lambda p=private: relay.peer_id in p.nat.status.reservations)
+        await a.connect(circuit_only(b), timeout_s=10)
+        for side in (a, b):
+            await wait_for(side.nat, lambda s=side: "relayed" in s.nat.status.timeline)
+        with trio.fail_after(20):
+            await punched.wait()
+        first, second = sorted((a, b), key=lambda h: h.peer_id)
+        assert punches == [(first.peer_id, second.peer_id)]
+        assert "punch" in first.nat.status.timeline and "punch" not in second.nat.status.timeline
+
+
+async def test_a_dial_that_hung_while_the_peer_reached_us_adds_no_relayed_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Our dial of a peer's direct address hangs (a NAT drops the SYNs); meanwhile the peer
+    reaches us through the relay. When the direct attempt ends, our dial must not fall back
+    to the relay too: that was a second relayed connection, and a relay circuit for nothing."""
+    monkeypatch.setattr(host_module, "DIRECT_FIRST_TIMEOUT_S", 600.0)  # only the test ends it
+    async with relay_and_two_private() as (_, a, b), trio.open_nursery() as nursery:
+        (hole,) = await trio.open_tcp_listeners(0, host="127.0.0.1")  # accepts, then never answers
+        held: list[trio.SocketStream] = []
+        accepted, done = trio.Event(), trio.Event()
+
+        async def hold() -> None:
+            held.append(await hole.accept())
+            accepted.set()
+
+        circuits: list[str] = []
+        dial_circuit = a.nat.dial_circuit
+
+        async def counted(addr: str) -> None:
+            circuits.append(addr)
+            await dial_circuit(addr)
+
+        a.nat.dial_circuit = counted  # type: ignore[method-assign]
+
+        async def hung_dial() -> None:
+            await a.connect(
+                PeerAddrs(b.peer_id, (f"/ip4/127.0.0.1/tcp/{hole.socket.getsockname()[1]}",)), timeout_s=600
+            )
+            done.set()
+
+        nursery.start_soon(hold)
+        nursery.start_soon(hung_dial)
+        with trio.fail_after(20):
+            await accepted.wait()
+            await b.connect(circuit_only(a), timeout_s=10)  # it reached us meanwhile
+            await hole.aclose()  # the direct attempt fails now (libp2p's retries too)
+            await held[0].aclose()
+            await done.wait()
+        assert circuits == [] and a.connection_type(b.peer_id) == "relayed"

@@ -363,6 +363,11 @@ class Host:
             if not connected:
                 network.unblock_peer(info.peer_id)  # hole punches to it must not be blocked
         for circuit in circuits if not connected else []:
+            if network.connections.get(info.peer_id):
+                # Another dial (a newer record's, the peer's own) got there while ours hung:
+                # a relayed connection on top would only cost a relay circuit.
+                connected = True
+                break
             with trio.move_on_at(deadline) as scope:
                 try:
                     await self.nat.dial_circuit(circuit)
@@ -557,13 +562,16 @@ def _socket_streams(raw_host: IHost) -> list[trio.SocketStream]:
     return [s for s in streams if s is not None]
 
 
-async def _close(raw_host: IHost) -> None:
+async def _close(raw_host: IHost, nat: Nat) -> None:
     """Close the host even while we are being cancelled, and every socket it had.
 
     Shielded, because teardown usually runs in a cancelled scope where close() would
     return at its first checkpoint. And libp2p 0.8.1 leaves a connection's socket open
     when the task reading it is cancelled mid-read, so we close what remains ourselves.
+    The NAT part stops first: seeing the connections go, it would dial them again (a
+    relayed peer through our relay), and that dial, cancelled midway, left a socket open.
     """
+    nat.stop()
     with trio.CancelScope(deadline=trio.current_time() + HOST_CLOSE_TIMEOUT_S, shield=True):
         sockets = _socket_streams(raw_host)
         await raw_host.close()
@@ -645,5 +653,5 @@ async def open_host(
         await nursery.start(nat.run, host)
         # Registered last, so run first: the host closes before its services exit
         # (else "Nursery is closed" at shutdown) and before host.run() exits (else leaks).
-        stack.push_async_callback(_close, raw_host)
+        stack.push_async_callback(_close, raw_host, nat)
         yield host

@@ -41,13 +41,16 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
 - **DCUtR**: libp2p's ``DCUtRProtocol`` tries to hole-punch every relayed connection (both
   sides dial each other's observed address at once); a success leaves a direct connection
   and the relayed one is closed after a grace period. Needs endpoint-independent ("cone")
-  NATs; behind a port-randomising NAT the pair stays relayed.
+  NATs; behind a port-randomising NAT the pair stays relayed. The side whose peer id sorts
+  first starts at once on a new relayed connection; our punches are bounded per peer and
+  in all (``Punches``).
 
 Nothing here carries tensors: the policy (tensors only over direct connections) is the
 callers' (``Host.connection_type``, node/algorithms/noloco/pairing.py).
 """
 
 import logging
+import math
 import random
 from collections.abc import Collection
 from contextlib import AsyncExitStack
@@ -98,11 +101,12 @@ MAX_ASKED = 4096
 # How often the loops look at addresses and back-offs (cheap: dict scans); they also wake
 # at once when our status changes (``Nat.changed``: reachability, relay slots, connections).
 POLL_S = 1.0
-# How often the connection watcher looks at the connection table (a dict scan). What it sees
-# (a new direct peer to ask for a dial-back, a relayed connection to hole-punch) starts the
-# next step, so it looks more often than the other loops. (libp2p's connection notifee was
-# tried instead: with it, trainers in one process stopped making rounds in
-# tests/test_joining.py, not understood yet.)
+# How often the connection watcher looks at the connection table (a dict scan) while what
+# it may see starts the next step on the way to a hole punch: while our reachability is not
+# public (a new direct peer is asked for a dial-back at once) and while any connection of
+# ours is relayed (to be punched). Otherwise, a public node with direct connections only,
+# it looks every ``POLL_S`` (libp2p's connection notifee was tried instead: with it,
+# trainers in one process stopped making rounds in tests/test_joining.py, not understood yet.)
 WATCH_S = 0.25
 WANTED_RELAYS = 2
 RESERVE_TIMEOUT_S = 8.0
@@ -123,6 +127,16 @@ UNILATERAL_S = 1.0
 # Extra hole-punch rounds for a pair still relayed: after 20 s, then 40, 80, 160, 320 s.
 PUNCH_RETRY_S = 20.0
 PUNCH_RETRIES = 5
+# A hole punch started the moment a relayed connection to a peer appears: per peer at
+# once, then 10 and 20 s after the one before, no more (a peer whose relayed connection
+# comes and goes, as a failed punch or the peer itself can make it, gets the backed-off
+# rounds above and libp2p's driver, not a punch per appearance).
+PUNCH_AT_ONCE_S = 5.0
+PUNCHES_AT_ONCE = 3
+# Our hole punches under way at once, all peers together: each dials every address it
+# knows of its peer, a few rounds over seconds. A burst of relayed peers (a large run
+# starting behind NATs) beyond it waits for the backed-off rounds and libp2p's driver.
+MAX_PUNCHES_IN_FLIGHT = 8
 # A relayed peer we lost is dialed through our relays again: at once, then after 10, 20, 40, 80 s.
 REDIAL_S = 5.0
 REDIALS = 5
@@ -223,6 +237,40 @@ class _HolePunch(DCUtRProtocol):  # type: ignore[misc]  # libp2p's module is unt
         with trio.move_on_after(UNILATERAL_S):
             return bool(await super()._try_unilateral_upgrade(peer_id))
         return False
+
+
+class Punches:
+    """Which peers our hole punches are under way with, and whether one more may start:
+    one per peer, ``MAX_PUNCHES_IN_FLIGHT`` in all, and the immediate ones (on a new relayed
+    connection) ``PUNCHES_AT_ONCE`` per peer, backing off. No hosts, no clock."""
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+        self._at_once = Retries(PUNCH_AT_ONCE_S, PUNCHES_AT_ONCE, first_at_once=True)
+
+    def may_start(self, peer_id: str) -> bool:
+        return peer_id not in self.running and len(self.running) < MAX_PUNCHES_IN_FLIGHT
+
+    def take_at_once(self, peer_id: str, now: float) -> bool:
+        """Whether an immediate punch to ``peer_id`` may start now (and counts it if so)."""
+        return self.may_start(peer_id) and self._at_once.take(peer_id, now) is not None
+
+
+class DialbackAsks:
+    """When we last asked each server for a dial-back. One asked within its cooldown
+    (``dialback.COOLDOWN_S``) would refuse, so it is not asked. Bounded: strangers come and go."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def due(self, server: str, now: float) -> bool:
+        return now - self._at.get(server, -math.inf) >= dialback.COOLDOWN_S
+
+    def note(self, servers: list[str], now: float) -> None:
+        if len(self._at) > MAX_ASKED:  # only those within their cooldown still matter
+            self._at = {s: at for s, at in self._at.items() if now - at < dialback.COOLDOWN_S}
+        for server in servers:
+            self._at[server] = now
 
 
 class Retries:
@@ -343,18 +391,19 @@ class Nat:
         self._preferred: list[str] = []
         self._verdicts = Verdicts()
         self._checking = trio.Lock()
-        self._asked: dict[str, float] = {}
-        """Server → when we last asked it for a dial-back."""
+        self._asked = DialbackAsks()
         self._last_check_answered = False
         self._reserve_failed: dict[str, tuple[float, float]] = {}
         """Peer → (when it last refused us a slot, how long to wait before asking again)."""
         self._relayed_once: set[str] = set()
         self._punch_retries = Retries(PUNCH_RETRY_S, PUNCH_RETRIES, first_at_once=False)
         """Our extra hole-punch rounds per relayed peer."""
+        self._punches = Punches()
         self._redials = Retries(REDIAL_S, REDIALS, first_at_once=True)
         """Redials per lost relayed peer (forgotten once it is back)."""
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
+        self._stopped = False
         limits = policy.libp2p_limits()
         self._circuit = CircuitV2Protocol(raw_host, limits=limits, allow_hop=False)
         roles = RelayRole.STOP | RelayRole.CLIENT
@@ -385,6 +434,11 @@ class Nat:
             task_status.started()
             await trio.sleep_forever()
 
+    def stop(self) -> None:
+        """The host is closing: our loops end (none dials, asks or reserves any more)."""
+        self._stopped = True
+        self._wake()
+
     # --- connection types ---
 
     def connection_type(self, peer_id: str) -> str | None:
@@ -399,19 +453,20 @@ class Nat:
         return "direct" if any(socket_stream_of(c) is not None for c in conns) else "relayed"
 
     def connection_types(self) -> dict[str, str]:
-        types = {}
-        for peer in list(self._raw.get_network().connections):
-            kind = self.connection_type(peer.to_base58())
-            if kind is not None:
-                types[peer.to_base58()] = kind
-        return types
+        """``connection_type`` of every connected peer, in one pass (the watcher's scan)."""
+        return {
+            peer.to_base58(): "direct" if any(socket_stream_of(c) is not None for c in conns) else "relayed"
+            for peer, conns in list(self._raw.get_network().connections.items())
+            if conns
+        }
 
     async def _watch_connections(self, host: DirectHostLike) -> None:
         """Notes peers reached by relay, when the first of them became direct, and tells
         ``changed`` when any connection comes, goes or changes type (libp2p has no event)."""
         last: dict[str, str] = {}
-        while True:
+        while not self._stopped:
             news = self._news  # taken first: a connection that comes while we look still wakes us
+            self._drop_lost_relays()  # a peer is redialed only through relays we still reach
             types = self.connection_types()
             before, last = last, types
             if types != before:
@@ -429,35 +484,43 @@ class Nat:
                 elif peer_id in self._relayed_once and self.status.first_direct_s is None:
                     self.status.first_direct_s = self._mark("direct")
                     logger.info("hole punch: direct connection to %s", peer_id)
-            await _nap(news, WATCH_S)
+            await _nap(news, watch_interval_s(self.status.reachability, types))
 
     def _punch_now_if_first(self, peer_id: str) -> None:
         """A new relayed connection: the side whose peer id sorts first starts the hole punch
         at once. libp2p's own driver looks only every 2 s (from both sides; it stays the
         fallback, and it skips a peer whose punch is under way). One side only, because two
         members often dial each other through relays at the same time, so "the inbound side
-        starts" (DCUtR's spec) could name both or neither."""
-        if peer_id < self._raw.get_id().to_base58() or not self.policy.hole_punch or self._nursery is None:
+        starts" (DCUtR's spec) could name both or neither. Bounded per peer and in all
+        (``Punches``)."""
+        if not starts_punch(self._raw.get_id().to_base58(), peer_id) or not self.policy.hole_punch:
+            return
+        if self._nursery is None or not self._punches.take_at_once(peer_id, trio.current_time()):
             return
         self._mark("punch")
-        self._nursery.start_soon(self._punch, peer_id)
+        self._start_punch(peer_id)
 
     def _maybe_punch_again(self, peer_id: str) -> None:
         """DCUtR tries three times per connection, seconds apart; on a busy machine or a
         flaky path all three can fail. We try again, backing off, a bounded number of times."""
-        if not self.policy.hole_punch or self._nursery is None:
+        if not self.policy.hole_punch or self._nursery is None or not self._punches.may_start(peer_id):
             return
         tries = self._punch_retries.take(peer_id, trio.current_time())
         if tries is None:
             return
         logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries, PUNCH_RETRIES)
         self._dcutr.on_peer_disconnected(parse_peer_id(peer_id))  # resets its attempt budget for this peer
+        self._start_punch(peer_id)
+
+    def _start_punch(self, peer_id: str) -> None:
+        assert self._nursery is not None
+        self._punches.running.add(peer_id)  # now, not when the task starts: the caps count it
         self._nursery.start_soon(self._punch, peer_id)
 
     def _maybe_redial(self, peer_id: str) -> None:
         """A peer we reached only by relay and lost (a failed hole punch can take the relayed
         connection with it): dial it through our relays again, backing off, a few times."""
-        if self._nursery is None or not self.status.reservations:
+        if self._nursery is None or not self.status.reservations or self._stopped:
             return
         if self._redials.take(peer_id, trio.current_time()) is not None:
             self._nursery.start_soon(self._redial, peer_id)
@@ -479,6 +542,8 @@ class Nat:
             await self._dcutr.initiate_hole_punch(parse_peer_id(peer_id))
         except (BaseLibp2pError, OSError, DialError) as exc:
             logger.debug("hole punch to %s: %s", peer_id, exc)
+        finally:
+            self._punches.running.discard(peer_id)
 
     # --- dialing through relays ---
 
@@ -538,7 +603,7 @@ class Nat:
             p
             for p, kind in self.connection_types().items()
             if kind == "direct"
-            and now - self._asked.get(p, -dialback.COOLDOWN_S) >= dialback.COOLDOWN_S
+            and self._asked.due(p, now)
             and not self._verdicts.fresh(p, now)  # asked again, it adds no confirmation
         ]
         preferred = [p for p in self._preferred if p in direct]
@@ -560,10 +625,7 @@ class Nat:
         if not ports or not servers:
             return self.status.reachability
         self._mark("asked")
-        if len(self._asked) > MAX_ASKED:  # bounded: strangers come and go
-            self._asked.clear()
-        for server in servers:
-            self._asked[server] = trio.current_time()
+        self._asked.note(servers, trio.current_time())
         answers: list[tuple[str, str, bool, str | None]] = []
         """(server, its IP on our connection, reached, the IP it saw us on) per answer."""
 
@@ -607,7 +669,7 @@ class Nat:
         """Checks at start, while unknown, when our addresses change, and every 10 min."""
         addrs: list[str] = []
         last_check = -RECHECK_INTERVAL_S
-        while True:
+        while not self._stopped:
             news = self._news
             now = trio.current_time()
             current = [a for a in host.addrs() if not is_circuit(a)]  # listen ports and interface IPs
@@ -627,7 +689,7 @@ class Nat:
     # --- reservations ---
 
     async def _reservation_loop(self, host: DirectHostLike) -> None:
-        while True:
+        while not self._stopped:
             news = self._news
             self._drop_lost_relays()
             if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:
@@ -728,6 +790,17 @@ class Nat:
             "first_direct_s": s.first_direct_s,
             "timeline": dict(s.timeline),
         }
+
+
+def starts_punch(our_id: str, peer_id: str) -> bool:
+    """Whether we start the hole punch on a new relayed connection to ``peer_id`` at once:
+    the side whose peer id sorts first does (the other waits for it, or libp2p's driver)."""
+    return our_id < peer_id
+
+
+def watch_interval_s(reachability: str, types: dict[str, str]) -> float:
+    """How long the connection watcher waits between looks (``WATCH_S``'s comment says why)."""
+    return WATCH_S if reachability != "public" or "relayed" in types.values() else POLL_S
 
 
 async def _nap(news: trio.Event, timeout_s: float = POLL_S) -> None:

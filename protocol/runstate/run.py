@@ -8,11 +8,8 @@ Tasks, all in one nursery:
   repairs whatever gossip dropped;
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
   at most one pull per peer per MIN_PULL_SPACING_S;
-- members: dial members we read about in the document but are not connected to (live
-  ones first, a bounded number per sweep and in flight: a stranger's made-up members cost
-  little). Each dial is a task of its own, so one that hangs (a NAT drops SYNs silently)
-  holds up no other; a member whose record changed (new addresses: a relay slot) is dialed
-  again at once, even while the dial of its old addresses still runs or backs off;
+- members: dial members we read about in the document but are not connected to
+  (protocol/runstate/dials.py);
 - upkeep: after changes, write back the newest record of live members (and ours), and the
   best lease of live owners, that a delete or a replay took out of the document, and past
   ``MAX_MEMBERS`` records evict the silent oldest (protocol/runstate/state.py: the admission
@@ -30,8 +27,9 @@ import trio
 
 from protocol.errors import ProtocolError
 from protocol.net import gossip
-from protocol.net.hostlike import GossipMessage, HostLike, PeerAddrs
+from protocol.net.hostlike import GossipMessage, HostLike
 from protocol.net.peers import PeerTable
+from protocol.runstate.dials import MemberDials
 from protocol.runstate.state import MAX_MEMBERS, RunState
 from protocol.runstate.sync import StateSync
 
@@ -42,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 NUM_PULL_WORKERS = 4
 PULL_QUEUE_SIZE = 256
-MAX_PARALLEL_MEMBER_DIALS = 8
-# Members dialed per sweep, and member dials in flight (queued for the limiter or dialing):
-# enough for any honest run's newcomers between two sweeps.
-MAX_DIALS_PER_SWEEP = 32
 # Upkeep (restores, evictions) at most this often: every write leaves a tombstone, and an
 # attacker replaying old records should cost us a write per second at most, not per message.
 UPKEEP_SPACING_S = 1.0
@@ -73,14 +67,19 @@ class RunService:
         self._role = role
         self._heartbeat_interval_s = heartbeat_interval_s
         self._anti_entropy_interval_s = anti_entropy_interval_s
-        self._dial_timeout_s = dial_timeout_s
         self._topic = gossip.topic(state.run_id)
         self._sync = StateSync(host, state)
         self._pull_send, self._pull_receive = trio.open_memory_channel[str](PULL_QUEUE_SIZE)
         self._queued: set[str] = set()
         self._last_pull: dict[str, float] = {}
-        self._failed_dials: dict[str, tuple[float, tuple[str, ...]]] = {}
-        """Member → when a dial of it failed, and the addresses it dialed (new ones are tried at once)."""
+        self._member_dials = MemberDials(
+            host,
+            state,
+            peers,
+            dial_timeout_s=dial_timeout_s,
+            sweep_interval_s=anti_entropy_interval_s,
+            on_connected=self.on_peer_connected,
+        )
         self._met_someone = trio.Event()
         self.num_pulls = 0
         self.num_gossip_received = 0
@@ -98,7 +97,7 @@ class RunService:
                 nursery.start_soon(self._pull_worker)
             nursery.start_soon(self._heartbeat_loop)
             nursery.start_soon(self._anti_entropy_loop)
-            nursery.start_soon(self._member_dial_loop)
+            nursery.start_soon(self._member_dials.run)
             nursery.start_soon(self._expiry_loop)
             nursery.start_soon(self._upkeep_loop)
             task_status.started()
@@ -206,54 +205,6 @@ class RunService:
             except ProtocolError as exc:
                 self.num_pull_failures += 1
                 logger.debug("sync with %s failed: %s", peer_id, exc)
-
-    async def _member_dial_loop(self) -> None:
-        limiter = trio.CapacityLimiter(MAX_PARALLEL_MEMBER_DIALS)
-        dialing: dict[str, tuple[str, ...]] = {}
-        """Member → the addresses its newest dial is trying."""
-        in_flight = 0
-
-        async def dial(peer: PeerAddrs) -> None:
-            nonlocal in_flight
-            try:
-                async with limiter:
-                    await self._host.connect(peer, timeout_s=self._dial_timeout_s)
-            except ProtocolError as exc:
-                self._failed_dials[peer.peer_id] = (trio.current_time(), peer.addrs)
-                logger.debug("member %s unreachable: %s", peer.peer_id, exc)
-                return
-            finally:
-                in_flight -= 1
-                if dialing.get(peer.peer_id) == peer.addrs:
-                    del dialing[peer.peer_id]
-            await self.on_peer_connected(peer.peer_id, "member")
-
-        def backing_off(peer_id: str, addrs: tuple[str, ...], now: float) -> bool:
-            failed_at, failed_addrs = self._failed_dials.get(peer_id, (-1e9, ()))
-            return failed_addrs == addrs and now - failed_at <= self.peers.ttl_s
-
-        async with trio.open_nursery() as nursery:
-            while True:
-                changed = self.state.changed  # taken first: a change while we dial still wakes us
-                connected = self._host.connected_peers()
-                now = trio.current_time()
-                candidates = [
-                    m
-                    for m in self.state.members.values()
-                    if m.peer_id != self._host.peer_id
-                    and m.peer_id not in connected
-                    and m.addrs
-                    and dialing.get(m.peer_id) != m.addrs
-                    and not self.peers.is_banned(m.peer_id)
-                    and not backing_off(m.peer_id, m.addrs, now)
-                ]
-                candidates.sort(key=lambda m: (not self.peers.is_live(m.peer_id), -m.seq))
-                for m in candidates[: max(0, MAX_DIALS_PER_SWEEP - in_flight)]:
-                    dialing[m.peer_id] = m.addrs
-                    in_flight += 1
-                    nursery.start_soon(dial, PeerAddrs(m.peer_id, m.addrs))
-                with trio.move_on_after(self._anti_entropy_interval_s):
-                    await changed.wait()
 
     async def _upkeep_loop(self) -> None:
         while True:

@@ -23,6 +23,7 @@ from protocol.net import host as host_module
 from protocol.net.data_channel import DataChannel
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import FRAME_BUDGET_PER_PEER_NBYTES, Host, Stream, open_host, parse_dial_addr
+from protocol.net.nat import NatPolicy
 from protocol.runstate import sync as sync_module
 from protocol.runstate.state import RunState
 from tests.conftest import wait_until
@@ -34,11 +35,11 @@ TIMEOUT_S = 30.0
 
 
 @asynccontextmanager
-async def victim_and_attacker() -> AsyncIterator[tuple[Host, Host]]:
+async def victim_and_attacker(nat: NatPolicy | None = None) -> AsyncIterator[tuple[Host, Host]]:
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with (
-        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[]) as victim,
-        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[]) as attacker,
+        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[], relay=nat) as victim,
+        open_host(identity_seed=os.urandom(32), listen_addrs=listen, announce_addrs=[], relay=nat) as attacker,
     ):
         await attacker.connect(parse_dial_addr(victim.addrs()[0]), timeout_s=5)
         yield victim, attacker
@@ -256,9 +257,13 @@ async def test_opens_our_timeout_cancels_give_their_streams_back(monkeypatch: py
     stream to it ever opened again (every ZO pull and checkpoint request to it timed out,
     while a fresh connection to the same daemon worked). The host's own remedy for a
     connection whose streams stop opening (closing it after a few) is held off here, so
-    the same connection shows its slots."""
+    the same connection shows its slots.
+
+    The count of free slots is ours, so nothing else of ours may open streams on this
+    connection meanwhile: reachability is told, not checked (a node asks a peer it reaches
+    for a dial-back at once, and that request holds a slot until its answer comes)."""
     monkeypatch.setattr(host_module, "STUCK_OPEN_FAILURES", 1_000)
-    async with victim_and_attacker() as (victim, peer):
+    async with victim_and_attacker(NatPolicy(reachability="public", hole_punch=False)) as (victim, peer):
 
         async def answer(stream: Stream) -> None:
             await wire.send(stream, "pong", 1, {})
