@@ -85,13 +85,13 @@ class Proc:
         )
         return cls(process, env.get("SWARMTRAIN_TEST_MARKER", ""))
 
-    async def expect(self, text: str) -> str:
-        """Read until a line containing ``text``; returns that line."""
+    async def expect(self, text: str, *, at_start: bool = False) -> str:
+        """Read until a line containing ``text`` (``at_start``: starting with it); returns that line."""
         assert self.process.stdout is not None
         with trio.fail_after(TIMEOUT_S):
             while True:
                 for line in self.lines:
-                    if text in line:
+                    if line.startswith(text) if at_start else text in line:
                         return line
                 chunk = await self.process.stdout.receive_some(65536)
                 if not chunk:
@@ -232,7 +232,9 @@ async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> 
 async def test_killed_simulation_leaves_no_process(env: dict[str, str]) -> None:
     # SIGKILL: no handler runs. The nodes must notice by themselves (their lifeline closes).
     sim = await Proc.start(["simulate", "--nodes", "2", "--algorithm", "none", "--linger-s", "600"], env)
-    await sim.expect("n1 ")  # the table lists every node: all of them were started
+    # The table lists every node: all of them were started. (A row, not any line: the first
+    # names a random data dir, and one ending in "n1" matched before anything started.)
+    await sim.expect("n1 ", at_start=True)
     assert len(processes_with_marker(env["SWARMTRAIN_TEST_MARKER"])) >= 4  # simulate, forkserver, 3 nodes
     sim.process.kill()
     assert await sim.finish() == -signal.SIGKILL
