@@ -8,9 +8,10 @@ import torch
 
 from training import corpus, data
 from training.checkpoint import CheckpointError
+from training.encodings import expert_versions
 from training.models import GPT, GPTConfig, preset
 from training.settings import InnerConfig, OuterConfig, SpesConfig
-from training.spes import EXPERT_BOUND, SpesTrainer, check_version, merge, merge_rate
+from training.spes import EXPERT_BOUND, SpesTrainer, check_version, merge, merge_rate, rounding_slack
 from training.trainer import Trainer
 
 SMALL_MOE = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2, num_experts=4)
@@ -111,6 +112,43 @@ def test_a_peers_version_replaces_a_frozen_copy_unless_refused() -> None:
     poisoned = b.table.flat(3) * 1000
     assert a.swap_in(3, poisoned, version_round=0) is not None
     assert not torch.equal(a.table.flat(3), poisoned)
+
+
+@pytest.mark.parametrize("update", [1e-5, 1e-6, 1e-8, 0.0])
+def test_an_honest_int8_version_is_taken_however_small_its_update(update: float) -> None:
+    """A version that travelled in int8 is the owner's weights within half a step a value;
+    our copy, the exact genesis weights (or our own as we owned it). Measured against our
+    update alone it was refused, and its owner banned, once updates were smaller than the
+    rounding (a second reader's probe); the bound now takes the rounding of both sides."""
+    int8 = expert_versions("int8")
+    assert int8.block is not None
+    held = (torch.randn(3 * int8.block + 7, generator=torch.Generator().manual_seed(1)) * 0.02).float()
+    owner = held + update
+    wire = int8.encode(owner.numpy().tobytes())
+    new = torch.frombuffer(bytearray(int8.decode(wire, held.numel())), dtype=torch.float32)
+    reference = update * held.numel() ** 0.5  # our own update, of the same size
+    slack = rounding_slack(held, int8.block)
+    assert check_version(new, held, reference=reference, rounds_apart=1, slack=slack) is None
+    if update <= 1e-6:  # without the slack: refused
+        assert check_version(new, held, reference=reference, rounds_apart=1) is not None
+    # And the slack is small: a version 1000× its weights is refused all the same.
+    assert check_version(held * 1000, held, reference=reference, rounds_apart=1, slack=slack) is not None
+    assert rounding_slack(held, None) == 0.0
+
+
+def test_a_trainer_of_a_compressed_run_widens_its_bound_by_the_rounding_only() -> None:
+    torch.manual_seed(0)
+    trainer = SpesTrainer(
+        GPT(SMALL_MOE),
+        shard(0),
+        spes=SpesConfig(),
+        rounds=10,
+        inner=InnerConfig(steps_per_round=3, lr=3e-3),
+        outer=OuterConfig(),
+        seed=0,
+        compression="int8",
+    )
+    assert trainer.version_block == expert_versions("int8").block and spes_trainer().version_block is None
 
 
 def test_merging_moves_each_owned_expert_toward_its_most_similar_ones() -> None:

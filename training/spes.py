@@ -35,6 +35,7 @@ from torch import nn
 
 from training.checkpoint import CheckpointError
 from training.data import Shard
+from training.encodings import expert_versions
 from training.finite import all_finite
 from training.models import GPT
 from training.moe import Expert, expert_index
@@ -82,24 +83,49 @@ def _shared_params(model: GPT) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if expert_index(name) is None]
 
 
-def version_gap(new: torch.Tensor, held: torch.Tensor, *, reference: float, rounds_apart: int) -> float:
+def rounding_slack(held: torch.Tensor, block: int | None) -> float:
+    """How far two int8 versions (training/encodings/experts.py) of weights like ``held``
+    can be from the weights they were made of, together: half a step (a block's largest
+    magnitude / 127) per value, on each side, in ‖·‖. Measured on our own copy, never on
+    the stranger's version: a peer cannot widen its own bound. Without it an honest
+    owner's version was refused (and its owner banned) once its updates were smaller than
+    the rounding: at ~3e-6 a value a round from the exact genesis copy (a second reader's
+    probe, N(0, 0.02) weights). 0 where versions travel exactly (``block`` None)."""
+    if block is None or held.numel() == 0:
+        return 0.0
+    flat = held.detach().reshape(-1).float().abs()
+    blocks = torch.nn.functional.pad(flat, (0, (-flat.numel()) % block)).view(-1, block)
+    counts = torch.full((blocks.shape[0],), float(block), device=blocks.device)
+    counts[-1] = flat.numel() - (blocks.shape[0] - 1) * block
+    half_steps = blocks.amax(dim=1) / 127 / 2
+    # Each side's rounding, and a float32 rounding of the division and product on top.
+    return 2 * float(torch.sqrt((counts * half_steps**2).sum())) * (1 + 2.0**-20)
+
+
+def version_gap(
+    new: torch.Tensor, held: torch.Tensor, *, reference: float, rounds_apart: int, slack: float = 0.0
+) -> float:
     """How far a peer's version of an expert is from our copy, in bounds (``check_version``
-    refuses above 1): ‖new − held‖ / (EXPERT_BOUND · reference · (1 + rounds_apart))."""
-    limit = EXPERT_BOUND * reference * (1 + max(0, rounds_apart))
+    refuses above 1): ‖new − held‖ / (EXPERT_BOUND · reference · (1 + rounds_apart) + slack);
+    ``slack``: the versions' rounding (``rounding_slack``)."""
+    limit = EXPERT_BOUND * reference * (1 + max(0, rounds_apart)) + slack
     gap = float(torch.linalg.vector_norm(new - held))
     return gap / limit if limit > 0 else (0.0 if gap == 0 else math.inf)
 
 
-def check_version(new: torch.Tensor, held: torch.Tensor, *, reference: float, rounds_apart: int) -> str | None:
+def check_version(
+    new: torch.Tensor, held: torch.Tensor, *, reference: float, rounds_apart: int, slack: float = 0.0
+) -> str | None:
     """Why a peer's version of an expert is refused (None: take it).
 
     ``reference``: our own update's size for that many elements this round
-    (``Spes.update_reference``); ``rounds_apart``: between our copy and the new version."""
+    (``Spes.update_reference``); ``rounds_apart``: between our copy and the new version;
+    ``slack``: what rounding for the wire may add (``rounding_slack``)."""
     if new.shape != held.shape:
         return f"holds {new.numel()} values, expected {held.numel()}"
     if not all_finite(new):
         return "holds NaN or Inf"
-    ratio = version_gap(new, held, reference=reference, rounds_apart=rounds_apart)
+    ratio = version_gap(new, held, reference=reference, rounds_apart=rounds_apart, slack=slack)
     if not ratio <= 1.0:
         return f"is {ratio:.3g}× the bound away from our copy"
     return None
@@ -170,6 +196,8 @@ class SpesTrainer(Trainer):
             for param in params:
                 param.requires_grad_(False)
         super().__init__(model, shard, outer_params=_shared_params(model), **kwargs)
+        self.version_block = expert_versions(kwargs.get("compression", "none")).block
+        """Versions of experts travel rounded per block of this many values (None: exactly)."""
         self.spes = spes
         self.rounds = rounds
         self.owned: frozenset[int] = frozenset()
@@ -240,10 +268,11 @@ class SpesTrainer(Trainer):
         # The daemon takes versions of rounds up to 16 past ours; the bound grows with the
         # rounds between two versions only up to MAX_ROUNDS_APART, whatever round is claimed.
         apart = min(version_round - self.held_rounds[expert], MAX_ROUNDS_APART)
-        refusal = check_version(new, held, reference=reference, rounds_apart=apart)
+        slack = rounding_slack(held, self.version_block)
+        refusal = check_version(new, held, reference=reference, rounds_apart=apart, slack=slack)
         if refusal is None:
             # Honest versions' share of the bound, for the worker log (docs/training.md).
-            share = version_gap(new, held, reference=reference, rounds_apart=apart)
+            share = version_gap(new, held, reference=reference, rounds_apart=apart, slack=slack)
             logger.info("expert %d version of round %d: %.3f of the bound", expert, version_round, share)
             self.table.load(expert, new)
             self.held_rounds[expert] = version_round

@@ -73,7 +73,7 @@ async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(sho
     ids=["float32 versions x1000", "int8 versions with NaN scales"],
 )
 async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_replaced(
-    short_tmp: Path, compression: str, scale: float
+    short_tmp: Path, compression: str, scale: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Refused by the worker's bounds (float32 × 1000), or by the daemon's int8 decoder
     before the worker sees it (NaN in a block makes its scale NaN:
@@ -110,6 +110,11 @@ async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_re
         # the hostile's experts to others before it fetched a poisoned version, or that
         # finished first, has none (the same rule as the payload test's above).
         assert any(n.peers.is_banned(hostile.peer_id) for n in honest)
+        undecoded = [r.getMessage() for r in caplog.records if "undecoded" in r.getMessage()]
+        if compression == "int8":  # refused by the daemon's decoder, not by the worker's bounds
+            assert undecoded and all(hostile.peer_id in m and "scales" in m for m in undecoded), undecoded
+        else:
+            assert undecoded == []
 
 
 async def test_a_spes_member_fighting_for_experts_it_lost_is_banned_by_its_victims(

@@ -38,6 +38,10 @@ MAX_SCALE = float(np.finfo(np.float32).max) / 128
 
 class ExpertVersions(Protocol):
     name: str
+    block: int | None
+    """Values travel rounded to 1/127 of their block's largest magnitude, per block of this
+    many (None: exactly): a worker widens its bound on a version's distance by that much
+    (training/spes.py ``rounding_slack``)."""
 
     def nbytes(self, numel: int) -> int:
         """Wire bytes of a version of an expert of ``numel`` float32 values."""
@@ -55,6 +59,7 @@ class ExpertVersions(Protocol):
 
 class Float32:
     name = "float32"
+    block: int | None = None
 
     def nbytes(self, numel: int) -> int:
         return 4 * numel
@@ -70,6 +75,7 @@ class Float32:
 
 class Int8:
     name = "int8"
+    block: int | None = BLOCK
 
     def nbytes(self, numel: int) -> int:
         return numel + 4 * -(-numel // BLOCK)
