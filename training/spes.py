@@ -40,6 +40,7 @@ from training.finite import all_finite
 from training.models import GPT
 from training.moe import Expert, expert_index
 from training.noloco import outer_gradient
+from training.quantize import quantize
 from training.settings import SpesConfig
 from training.trainer import Trainer
 
@@ -93,11 +94,11 @@ def rounding_slack(held: torch.Tensor, block: int | None) -> float:
     probe, N(0, 0.02) weights). 0 where versions travel exactly (``block`` None)."""
     if block is None or held.numel() == 0:
         return 0.0
-    flat = held.detach().reshape(-1).float().abs()
-    blocks = torch.nn.functional.pad(flat, (0, (-flat.numel()) % block)).view(-1, block)
-    counts = torch.full((blocks.shape[0],), float(block), device=blocks.device)
-    counts[-1] = flat.numel() - (blocks.shape[0] - 1) * block
-    half_steps = blocks.amax(dim=1) / 127 / 2
+    flat = held.detach().reshape(-1).float()
+    _, scales = quantize(flat, block=block)  # a block's step, as the wire's int8 takes it
+    counts = torch.full_like(scales, float(block))
+    counts[-1] = flat.numel() - (len(scales) - 1) * block
+    half_steps = scales / 2
     # Each side's rounding, and a float32 rounding of the division and product on top.
     return 2 * float(torch.sqrt((counts * half_steps**2).sum())) * (1 + 2.0**-20)
 
