@@ -41,8 +41,7 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str]) -> No
     between); then for no round after the next boundary (the one the joiner waits
     for) until it has fetched a state, the state of round JOIN_AFTER + 1, and its worker
     is ready (without that the first two, at ~0.2 s a micro round, could run ~10 rounds
-    ahead while its worker started, past the 2 rounds a pull reaches; with it the joiner
-    still pairs in few rounds in full runs of the suite: see the test's end)."""
+    ahead while its worker started: it would skip 3 rounds at a time to catch up)."""
     asked, fetched, started = trio.Event(), trio.Event(), trio.Event()
     joining: set[int] = set()
     find = Pairing.find_partner
@@ -118,14 +117,15 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
         # It trained only the rounds left, and started from trained weights: its first
         # validation loss is far below a fresh model's (ln 256 ≈ 5.5 for bytes).
         assert status["rounds"] == ROUNDS
-        assert len(status["loss_curve"]) == ROUNDS - status["start_round"]
+        assert len(status["loss_curve"]) == ROUNDS - status["start_round"] - status["rounds_skipped"]
         fresh = first[0].training.metrics.loss_curve[0][1] if first[0].training else 0.0
         assert status["loss_curve"][0][1] < fresh
-        # Not asserted (an open bug): that it trains with the others. Run alone this test's
-        # joiner had a partner in 26 of its 26 rounds (4 runs of each variant); in three full
-        # runs of the suite in a row, in 1-2 of 26 ([none]), trailing its peers past the 2
-        # rounds a pull reaches until near the end, where their replicas had drifted from its
-        # own (refused, 26-27× the bound).
+        # And it trains with the others, not alone beside them: it skipped to its peers'
+        # round when it fell further behind than a pull reaches (before that, in full runs of
+        # the suite and under a CPU hog, it had a partner in 1-6 of its 26 rounds, then
+        # refused its peers' drifted replicas; now in 17-25 of 20-26 under 2-3 CPU hogs).
+        trained = len(status["loss_curve"])
+        assert 2 * status["rounds_with_partner"] > trained and status["payloads_refused"] == 0, status
 
 
 @pytest.mark.integration

@@ -7,7 +7,16 @@ import pytest
 import trio
 import trio.testing
 
-from node.algorithms.noloco.pairing import MAX_LAG, Pairing, _Round, catch_up_steps, lag_of
+from node.algorithms.noloco.pairing import (
+    MAX_LAG,
+    PAST_THE_RUN_POINTS,
+    PULL_AHEAD_ROUNDS,
+    Pairing,
+    _Round,
+    catch_up_steps,
+    lag_of,
+    rounds_to_skip,
+)
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -293,6 +302,16 @@ def test_a_node_behind_its_peers_shortens_its_next_round_by_their_lead() -> None
     assert lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3) == MAX_LAG
 
 
+def test_a_node_further_behind_than_a_pull_reaches_skips_to_its_peers_round() -> None:
+    """Within a pull's reach it keeps every round (and shortens them); past it, it skips
+    to its peers' round (at most MAX_LAG at a time: the lag is capped)."""
+    assert [rounds_to_skip(lag) for lag in range(PULL_AHEAD_ROUNDS + 1)] == [0] * (PULL_AHEAD_ROUNDS + 1)
+    assert rounds_to_skip(PULL_AHEAD_ROUNDS + 1) == PULL_AHEAD_ROUNDS + 1
+    assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3)) == MAX_LAG
+    assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 5}, peers=3)) == 0  # one liar skips nothing
+    assert rounds_to_skip(lag_of(5, {"a": 1 << 40}, peers=2)) == 0  # nor as our only peer (vouched_lag)
+
+
 async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for() -> None:
     """Asked for the round after its last boundary, a node answers "later" only when it
     expects that boundary within half its round time; else "never", so the asker
@@ -309,3 +328,26 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
         with trio.fail_after(60):
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
         assert pa.lag == 2 and catch_up_steps(10, pa.lag) == 4
+        pb._last_round = 5  # 4 ahead: past a pull's reach, but one peer's word skips nothing
+        with trio.fail_after(60):
+            assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
+        assert pa.lag == MAX_LAG and pa.vouched_lag == 0
+
+
+async def test_a_peer_saying_it_is_past_the_runs_last_round_is_not_believed_and_penalized() -> None:
+    """Its word would make us skip rounds; an honest node stops at the run's last."""
+    async with nodes(3) as group:
+        (a, pa), (b, pb), (c, pc) = group
+        pa._rounds = 8
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        pb._last_round = pc._last_round = 8  # both "past" round 7, the run's last
+        with trio.fail_after(60):
+            assert await pa.find_partner(1, *box, [b.peer_id, c.peer_id], timeout_s=600) is None
+        assert pa.lag == pa.vouched_lag == 0
+        lies = 2 * PAST_THE_RUN_POINTS  # each said it twice: to "pair?", then to "pull?"
+        assert a.peers.penalty(b.peer_id) == a.peers.penalty(c.peer_id) == lies
+        pb._last_round = pc._last_round = 7  # at the last round: 6 ahead of us, vouched by two
+        with trio.fail_after(60):
+            assert await pa.find_partner(1, *box, [b.peer_id, c.peer_id], timeout_s=600) is None
+        assert pa.lag == pa.vouched_lag == MAX_LAG and rounds_to_skip(pa.vouched_lag) == MAX_LAG
+        assert a.peers.penalty(b.peer_id) == lies  # the truth costs nothing

@@ -93,7 +93,7 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         # Steps of the next round taken before it: as many as our word took (at most 2 of 5).
         assert outer.pop("overlapped") in (range(3) if round_index < 2 else [0])
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
-        assert outer == {**expected, "rejected": None, "drifted": False}
+        assert outer == {**expected, "rejected": None, "drifted": False, "skipped": 0}
     assert losses[-1] < losses[0]
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
@@ -136,6 +136,41 @@ async def test_a_round_takes_the_steps_the_daemon_says_when_catching_up(overlap:
     assert (await receive(worker))["t"] == "outer_done"
     third = await receive(worker)
     assert third["step"] == 12 and third["tokens"] == first["tokens"]
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5])
+async def test_rounds_the_daemon_says_to_skip_are_left_out_but_never_the_last(tmp_path: Path, overlap: float) -> None:
+    """``outer_go``'s ``skip`` (peers further ahead than a pull reaches): the next round (or
+    the one under way with overlapped steps) is that many later, in the checkpoint too;
+    never past the run's last round; anything but a positive int skips nothing."""
+    path = tmp_path / "run.ckpt"
+    worker = await start_worker(algorithm="noloco", rounds=8, checkpoint_path=str(path), overlap=overlap)
+
+    async def outer_go(round_index: int, skip: object) -> tuple[dict[str, Any], dict[str, Any]]:
+        await worker.send("outer_go", round=round_index, peer=False, skip=skip)
+        seen: dict[str, dict[str, Any]] = {}
+        while not {"outer_done", "saved", "round_done"} <= seen.keys():
+            message = await receive(worker)
+            seen.setdefault(message["t"], message)
+        return seen["outer_done"], seen["round_done"]
+
+    await receive(worker)  # ready
+    assert (await receive(worker))["round"] == 0
+    done, after = await outer_go(0, 3)
+    assert done["skipped"] == 3 and after["round"] == 4
+    _, meta = checkpoint.load(path)
+    assert meta["round"] == 4  # a restart (or a joiner given this state) goes on at round 4
+    done, after = await outer_go(4, True)
+    assert done["skipped"] == 0 and after["round"] == 5
+    done, after = await outer_go(5, 100)
+    assert done["skipped"] == 1 and after["round"] == 7  # the last round is trained
+    await worker.send("outer_go", round=7, peer=False, skip=5)
+    while (message := await receive(worker))["t"] != "outer_done":
+        pass
+    assert message["skipped"] == 0
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
@@ -187,6 +222,7 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
         "used_peer": True,
         "rejected": None,
         "drifted": False,
+        "skipped": 0,
     }
     done = await receive(worker)
     assert isinstance(done.pop("wait_s"), float)

@@ -16,9 +16,12 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      eval_s, memory, expert_load} (the outbox now holds φ then Δ,
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
-    {t: "outer_go", round, peer} ──▶ (peer: the inbox holds a partner's payload)
+    {t: "outer_go", round, peer, steps, skip} ──▶ (peer: the inbox holds a partner's
+                                     payload; steps: the next round's inner steps, fewer
+                                     than H while peers are ahead; skip: rounds to leave
+                                     out, the next round that much later, NoLoCo)
                                  ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     wait_s, outer_s, overlapped}
+                                     wait_s, outer_s, overlapped, skipped}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
                                      with a ban unless drifted: not far past the bounds;
@@ -28,7 +31,8 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      With outer.overlap the worker takes the next round's
                                      steps until they come (at most its share of the round):
                                      overlapped says how many; its next inner_done comes
-                                     after this outer_done)
+                                     after this outer_done; skipped: the rounds it left
+                                     out, never past the run's last)
                                  ◀── {t: "saved", round, save_error} (with a checkpoint
                                      path: the state after ``round`` is on disk, written in
                                      the background, training/saver.py: at any point before

@@ -70,10 +70,19 @@ class PayloadRounds:
         self.not_from: set[str] = set()
         """Peers whose state a resync does not take (their payloads were refused as too far)."""
         self.resyncs = 0
+        self._curve_rounds: list[int] = []
+        """The round of each point of the loss curve (a skipped round has none)."""
+        self._skips: list[tuple[int, int]] = []
+        """(round, rounds skipped after it) per skip our worker made (NoLoCo: ``rounds_skipped``)."""
         self._own_aside: Path | None = None
         """Our own state, moved aside by a resync: where we start if no peer offers one."""
         self._aside_reason: str | None = None
         """Why our state goes aside before the next worker starts (a resync), if it does."""
+
+    @property
+    def rounds_skipped(self) -> int:
+        """Rounds our worker left out to catch up with peers far ahead (NoLoCo), as of its state."""
+        return sum(k for _, k in self._skips)
 
     # What a subclass provides.
 
@@ -236,7 +245,10 @@ class PayloadRounds:
         if not metrics.loss_curve:
             self.start_round = worker.start_round  # where this node began (a joiner: its peer's round)
         metrics.rounds = worker.start_round
-        del metrics.loss_curve[worker.start_round - self.start_round :]  # the curve begins at start_round
+        # Rounds from where it resumes are done again: their points and skips go.
+        kept = sum(1 for r in self._curve_rounds if r < worker.start_round)
+        del metrics.loss_curve[kept:], self._curve_rounds[kept:]
+        self._skips = [(r, k) for r, k in self._skips if r < worker.start_round]
         if worker.start_round >= self.ctx.run.rounds:
             return
         self.ready(worker)
@@ -252,6 +264,7 @@ class PayloadRounds:
                     await worker.send("outbox_free", round=message.get("round"))
                 elif message["t"] == "round_done":
                     metrics.loss_curve.append([float(message.get("step", 0)), float(message["val_loss"])])
+                    self._curve_rounds.append(int(message["round"]))
                     metrics.compute_s += float(message.get("compute_s", 0.0))
                     metrics.eval_s += _seconds(message.get("eval_s"))
                     tokens = message.get("tokens")
@@ -267,7 +280,12 @@ class PayloadRounds:
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
                     await self.judge(message)
-                    metrics.rounds += 1
+                    # Rounds the worker left out to catch up with its peers count as done.
+                    skipped = message.get("skipped")
+                    skipped = skipped if type(skipped) is int and 0 <= skipped < self.ctx.run.rounds else 0
+                    if skipped:
+                        self._skips.append((int(message["round"]), skipped))
+                    metrics.rounds += 1 + skipped
                     metrics.train_wall_s = trio.current_time() - metrics.first_ready
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
                     overlapped = message.get("overlapped")

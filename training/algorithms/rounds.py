@@ -194,6 +194,17 @@ def save(
         saver.wait()
 
 
+def capped_skip(told: object, next_round: int, rounds: int) -> int:
+    """The rounds ``outer_go``'s ``skip`` says to leave out after its outer step (our peers
+    are further ahead than a pull reaches: node/algorithms/noloco/pairing.py
+    ``rounds_to_skip``), so our next round (``next_round``, or the one under way with
+    overlapped steps) is that many later; never past the run's last round, which every
+    node trains (its state is the run's result). 0 for anything else."""
+    if type(told) is not int or told <= 0:
+        return 0
+    return max(0, min(told, rounds - 1 - next_round))
+
+
 def _outer_round(
     config: WorkerConfig,
     trainer: Trainer,
@@ -239,7 +250,11 @@ def _outer_round(
     told = command.get("steps")
     steps = config.run.inner.steps_per_round
     trainer.next_round_steps = told if type(told) is int and 1 <= told <= steps else steps
-    save(config, trainer, saver, round_index, last=round_index + 1 == config.run.rounds, held=held)
+    if trainer.round <= round_index:  # the loop's next round is trainer.round: it must move on
+        raise RuntimeError(f"the outer step of round {round_index} left the trainer at round {trainer.round}")
+    skipped = capped_skip(command.get("skip"), trainer.round, config.run.rounds)
+    trainer.round += skipped
+    save(config, trainer, saver, trainer.round - 1, last=round_index + 1 == config.run.rounds, held=held)
     ipc.write_blocking(
         replies,
         "outer_done",
@@ -250,6 +265,7 @@ def _outer_round(
         wait_s=wait_s,
         outer_s=outer_s + time.perf_counter() - began,
         overlapped=0 if held is None else held[1],
+        skipped=skipped,
         **result.extra,
     )
     return True
@@ -345,7 +361,8 @@ def _rounds(
         early = overlap_steps if 0 < overlap_steps <= steps else 0
         pending: tuple[int, int] | None = None
         """A round whose outer step is still to come, and the step count at its end."""
-        for round_index in range(trainer.round, config.run.rounds):
+        round_index = trainer.round
+        while round_index < config.run.rounds:
             compute_s, loss_sum, taken = 0.0, 0.0, 0
             started = time.perf_counter()
             if trainer.landing:  # resumed from a checkpoint written mid-overlap: as it went
@@ -364,6 +381,7 @@ def _rounds(
                 ):
                     return
                 pending, started = None, time.perf_counter()
+                round_index = trainer.round  # later if the daemon said to skip rounds
             # H steps, or fewer while we catch up with peers ahead (the overlapped ones count).
             rest = max(0, trainer.next_round_steps - taken)
             train_loss = (loss_sum + trainer.inner_steps(rest) * rest) / max(1, taken + rest)
@@ -401,7 +419,10 @@ def _rounds(
                 if saver is not None:
                     saver.stage(trainer.round_end_state())
                 pending = (round_index, trainer.step)
-            elif not _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index):
+                round_index += 1
+            elif _outer_round(config, trainer, reader, replies, outer, in_view, saver, round_index):
+                round_index = trainer.round
+            else:
                 return
         reader.get()  # the daemon's "stop" (or EOF)
     finally:

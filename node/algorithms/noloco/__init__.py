@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.noloco.pairing import Pairing, catch_up_steps
+from node.algorithms.noloco.pairing import Pairing, catch_up_steps, rounds_to_skip
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
 
@@ -31,12 +31,26 @@ RESYNC_AFTER_REFUSALS = 3
 
 
 class Noloco(PayloadRounds):
-    REPORT_KEYS = (*PayloadRounds.REPORT_KEYS, "rounds_pulled", "pulls_served", "resyncs", "rounds_shortened")
+    REPORT_KEYS = (
+        *PayloadRounds.REPORT_KEYS,
+        "rounds_pulled",
+        "pulls_served",
+        "resyncs",
+        "rounds_shortened",
+        "rounds_skipped",
+    )
+    SKIPS_ROUNDS = True
+    """Whether a node further behind its peers than a pull reaches skips to their round
+    (``rounds_to_skip``)."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.pairing = Pairing(
-            ctx.host, send_timeout_s=SEND_TIMEOUT_S, is_member=ctx.is_member, upload_limit=ctx.upload_limit
+            ctx.host,
+            send_timeout_s=SEND_TIMEOUT_S,
+            is_member=ctx.is_member,
+            upload_limit=ctx.upload_limit,
+            rounds=ctx.run.rounds,
         )
         self._partner: str | None = None
         """This round's partner, until the worker's outer step says what it made of it."""
@@ -63,6 +77,7 @@ class Noloco(PayloadRounds):
             "pulls_served": self.pairing.pulls_served,
             "resyncs": self.resyncs,
             "rounds_shortened": self.rounds_shortened,
+            "rounds_skipped": self.rounds_skipped,
         }
 
     async def linger(self) -> None:
@@ -92,15 +107,27 @@ class Noloco(PayloadRounds):
         )
         # Behind our peers (a slower machine, a late start): a shorter next round, to keep
         # to their rounds, where a partner (or a pull a round ahead) can still be found.
-        steps = catch_up_steps(self.ctx.run.inner.steps_per_round, self.pairing.lag)
+        # Further behind than a pull reaches: on to their round (the worker says how many
+        # rounds it skipped: never past the run's last), whole rounds from there.
+        lag = self.pairing.lag
+        skip = rounds_to_skip(self.pairing.vouched_lag) if self.SKIPS_ROUNDS else 0
+        steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lag - skip)
         if steps < self.ctx.run.inner.steps_per_round:
             self.rounds_shortened += 1
-            logger.info("round %d: peers %d round(s) ahead: %d steps next round", round_index, self.pairing.lag, steps)
+        if steps < self.ctx.run.inner.steps_per_round or skip:
+            logger.info(
+                "round %d: peers %d round(s) ahead: %d round(s) skipped, %d steps next round",
+                round_index,
+                lag,
+                skip,
+                steps,
+            )
         await worker.send(
             "outer_go",
             round=round_index,
             peer=partner is not None,
             steps=steps,
+            skip=skip,
             **await self.outer_fields(round_index),
         )
 

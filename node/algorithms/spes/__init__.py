@@ -47,6 +47,9 @@ class Spes(Noloco):
         *("expert_versions_fetched", "expert_versions_refused", "expert_bytes_sent", "expert_bytes_received"),
         *("memory_curve", "leases", "releases"),
     )
+    # An owner that skipped rounds would be, by its own word, that many rounds past its
+    # newest version until it published the next: lapsed (leases.py), its experts taken.
+    SKIPS_ROUNDS = False
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
