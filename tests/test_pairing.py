@@ -310,6 +310,8 @@ def test_a_node_further_behind_than_a_pull_reaches_skips_to_its_peers_round() ->
     assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3)) == MAX_LAG
     assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 5}, peers=3)) == 0  # one liar skips nothing
     assert rounds_to_skip(lag_of(5, {"a": 1 << 40}, peers=2)) == 0  # nor as our only peer (vouched_lag)
+    # At most a third of the run's rounds in all: liars cost a node at most that.
+    assert [rounds_to_skip(MAX_LAG, skipped=k, rounds=30) for k in (0, 7, 9, 10, 12)] == [3, 3, 1, 0, 0]
 
 
 async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for() -> None:

@@ -110,7 +110,8 @@ class Noloco(PayloadRounds):
         # Further behind than a pull reaches: on to their round (the worker says how many
         # rounds it skipped: never past the run's last), whole rounds from there.
         lag = self.pairing.lag
-        skip = rounds_to_skip(self.pairing.vouched_lag) if self.SKIPS_ROUNDS else 0
+        skipped, rounds = self.rounds_skipped, self.ctx.run.rounds
+        skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds) if self.SKIPS_ROUNDS else 0
         steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lag - skip)
         if steps < self.ctx.run.inner.steps_per_round:
             self.rounds_shortened += 1

@@ -107,6 +107,9 @@ ROUND_TIME_WEIGHT = 0.3
 # How far behind its peers a node counts itself at most (``lag``): its next round is
 # shortened to H / (1 + lag) steps, never below 1/(1 + MAX_LAG) of H.
 MAX_LAG = 3
+# One node skips at most one in this many of the run's rounds (``rounds_to_skip``): a late
+# joiner beside 3 CPU hogs skipped 9 of its 26.
+SKIPS_AT_MOST_ONE_IN = 3
 # A peer saying it is at a round past the run's last lies (an honest one stops there):
 # its word is dropped, and costs it this (it would make us skip rounds: ``rounds_to_skip``).
 PAST_THE_RUN_POINTS = 1
@@ -119,7 +122,7 @@ def catch_up_steps(steps_per_round: int, lag: int) -> int:
     return max(1, -(-steps_per_round // (1 + min(MAX_LAG, max(0, lag)))))
 
 
-def rounds_to_skip(lag: int) -> int:
+def rounds_to_skip(lag: int, *, skipped: int = 0, rounds: int = 1 << 62) -> int:
     """Rounds to leave out when our peers are ``lag`` rounds ahead: all of them once not
     even a pull reaches their round (``PULL_AHEAD_ROUNDS``), else none. Shorter rounds
     (``catch_up_steps``) close a gap only where inner steps are most of a round; where
@@ -128,8 +131,11 @@ def rounds_to_skip(lag: int) -> int:
     went alone in 24 of 26 rounds, 2-3 rounds behind its peers to the end, and its replica
     drifted from theirs. Its skipped rounds' steps are not taken (the run's round, not a
     step count, is what peers must share). ``lag``: ``Pairing.vouched_lag``, two peers'
-    word (never one's, even as our only peer), at most ``MAX_LAG`` a round."""
-    return lag if lag > PULL_AHEAD_ROUNDS else 0
+    word (never one's, even as our only peer), at most ``MAX_LAG`` a round; and at most
+    one in ``SKIPS_AT_MOST_ONE_IN`` of the run's ``rounds`` in all (``skipped`` so far), so members
+    lying together about their rounds cost a node at most that share of its rounds."""
+    budget = max(0, rounds // SKIPS_AT_MOST_ONE_IN - skipped)
+    return min(lag, budget) if lag > PULL_AHEAD_ROUNDS else 0
 
 
 def lag_of(ours: int, theirs: dict[str, int], *, peers: int) -> int:
