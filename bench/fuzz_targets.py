@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import msgpack
 import multiaddr
+import numpy as np
 import torch
 import trio
 from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
@@ -1259,6 +1260,27 @@ def _expert_version_seeds() -> list[bytes]:
     return [encodings.expert_versions("int8").encode(values.numpy().tobytes())]
 
 
+@cache
+def _expert_chain() -> list[bytes]:
+    """A keyframe and the two deltas after it (training/encodings/experts.py Sparse)."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(_EXPERT_NUMEL) * 0.02).astype(np.float32)
+    versions, chain = [], None
+    for _ in range(3):
+        values = (values + rng.standard_normal(_EXPERT_NUMEL).astype(np.float32) * np.float32(0.002)).astype(np.float32)
+        wire, chain = encodings.expert_versions("sparseloco").encode_next(values.tobytes(), chain)
+        versions.append(wire)
+    return versions
+
+
+def _expert_version_sparse(raw: bytes) -> object:
+    """A version after the seeds' keyframe: alone if a keyframe, else as the next of the chain."""
+    versions = encodings.expert_versions("sparseloco")
+    keyframe, delta, _ = _expert_chain()
+    chain = [raw] if raw[:1] == bytes([1]) else [keyframe, delta, raw] if raw[1:2] == bytes([2]) else [keyframe, raw]
+    return versions.decode_chain(chain, _EXPERT_NUMEL)
+
+
 def _targets() -> list[Target]:
     protocol_refusal = (ProtocolError,)
     return [
@@ -1460,6 +1482,13 @@ def _targets() -> list[Target]:
             (ValueError,),
             _expert_version_seeds,
             "training/encodings/experts.py Int8.decode: a SPES expert version, int8",
+        ),
+        Target(
+            "expert_version_sparse",
+            _expert_version_sparse,
+            (ValueError,),
+            _expert_chain,
+            "training/encodings/experts.py Sparse.decode_chain: a SPES keyframe or delta after its base",
         ),
     ]
 

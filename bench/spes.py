@@ -7,6 +7,8 @@ Runs ``swarmtrain simulate`` (real daemons and workers, loopback) for each varia
     spes_kill     the same, the last node SIGKILLed --kill-after-s into training
     spes_int8     the same with --compression int8 (shared weights' payloads and expert
                   versions in int8: training/encodings/experts.py)
+    spes_sparse   the same with --compression sparseloco (shared weights' payloads in
+                  sparseloco; expert versions as int8 keyframes and sparse deltas)
     moe_noloco    the same MoE fully synced: every node trains every expert (NoLoCo)
     dense_noloco  the dense tiny model (same active parameters per token), NoLoCo
 
@@ -27,6 +29,8 @@ issue's ratios (each a ratio of two variants measured in this run):
     min_expert_load         the least-loaded expert's share of the mean load at the end (≥ 0.25)
     tokens_per_s_ratio      spes / dense_noloco compute throughput (≥ 0.8)
     int8_bytes_ratio, int8_loss_ratio   spes_int8 / spes: bytes sent per node per round, final loss
+    sparse_vs_int8_bytes, sparse_vs_int8_expert_bytes, sparse_vs_int8_loss   spes_sparse /
+                            spes_int8: bytes per node per round (all; expert versions only), final loss
 
     python bench/spes.py [--nodes 4] [--seeds 1,2,3] [--rounds 10] [--inner-steps 10]
 """
@@ -48,6 +52,7 @@ VARIANTS: dict[str, list[str]] = {
     "spes_nomerge": ["--algorithm", "spes", "--model", "tiny-moe", "--set", "spes.merge_alpha=0"],
     "spes_kill": ["--algorithm", "spes", "--model", "tiny-moe"],
     "spes_int8": ["--algorithm", "spes", "--model", "tiny-moe", "--compression", "int8"],
+    "spes_sparse": ["--algorithm", "spes", "--model", "tiny-moe", "--compression", "sparseloco"],
     "moe_noloco": ["--algorithm", "noloco", "--model", "tiny-moe"],
     "dense_noloco": ["--algorithm", "noloco", "--model", "tiny"],
 }
@@ -88,6 +93,9 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "memory_bytes_end": statistics.mean(_memory(n) for n in nodes),
         "bytes_per_round": statistics.mean(
             n["bytes_sent"] / max(1, n["rounds"] - (n.get("start_round") or 0)) for n in nodes
+        ),
+        "expert_bytes_per_round": statistics.mean(
+            (n.get("expert_bytes_sent") or 0) / max(1, n["rounds"] - (n.get("start_round") or 0)) for n in nodes
         ),
         "tokens_per_s": statistics.mean(
             tokens_per_round * n["rounds"] / n["compute_s"] for n in nodes if n["compute_s"]
@@ -161,6 +169,13 @@ def main() -> None:
     if {"spes", "spes_int8"} <= runs.keys():
         out["int8_bytes_ratio"] = mean("spes_int8", "bytes_per_round") / mean("spes", "bytes_per_round")
         out["int8_loss_ratio"] = mean("spes_int8", "final_loss") / mean("spes", "final_loss")
+    if {"spes_int8", "spes_sparse"} <= runs.keys():
+        for key, name in (
+            ("bytes_per_round", "bytes"),
+            ("expert_bytes_per_round", "expert_bytes"),
+            ("final_loss", "loss"),
+        ):
+            out[f"sparse_vs_int8_{name}"] = mean("spes_sparse", key) / mean("spes_int8", key)
     if "spes" in runs:
         out["min_expert_load"] = min(r.get("min_expert_load", 0.0) for r in runs["spes"])
     if len(wide) == 2:

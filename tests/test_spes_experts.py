@@ -5,6 +5,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import numpy as np
 import pytest
 import trio
 
@@ -13,6 +14,8 @@ from node.algorithms.spes.experts import ExpertStore, Head, parse_head, sign_hea
 from protocol import keys, wire
 from protocol.errors import BadMessage, ProtocolError
 from protocol.net.host import Host, Stream, open_host, parse_dial_addr
+from training.encodings import expert_versions
+from training.encodings.experts import Chain
 
 RUN = "experts-abc123"
 SEED_A, SEED_B = b"\x0a" * 32, b"\x0b" * 32
@@ -142,3 +145,127 @@ async def test_a_holder_gives_nothing_of_another_run_or_a_version_it_does_not_ho
             fetcher = ExpertStore(b, RUN)
             fetcher.configure(4, NBYTES)
             assert await fetcher.fetch(a.peer_id, stale) is False
+
+
+SPARSE = expert_versions("sparseloco")
+NUMEL = 4096 + 100  # a full chunk and a partial one
+
+
+def chained_stores(a: Host, b: Host) -> tuple[ExpertStore, ExpertStore]:
+    owner, fetcher = ExpertStore(a, RUN), ExpertStore(b, RUN)
+    for store in (owner, fetcher):
+        configure_chained(store)
+        store.register()
+    return owner, fetcher
+
+
+def configure_chained(store: ExpertStore) -> None:
+    store.configure(4, *SPARSE.sizes(NUMEL), link=lambda w: SPARSE.link(w, NUMEL), max_chain=SPARSE.chain)
+
+
+def owner_versions(rounds: int) -> list[tuple[bytes, Chain]]:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(NUMEL) * 0.02).astype(np.float32)
+    chain: Chain | None = None
+    out = []
+    for _ in range(rounds):
+        x = (x + rng.standard_normal(NUMEL).astype(np.float32) * np.float32(0.002)).astype(np.float32)
+        wire, chain = SPARSE.encode_next(x.tobytes(), chain)
+        assert chain is not None
+        out.append((wire, chain))
+    return out
+
+
+async def test_a_holder_that_missed_deltas_fetches_back_along_the_chain_and_serves_it_on() -> None:
+    versions = owner_versions(5)
+    async with two_hosts() as (a, b):
+        owner, fetcher = chained_stores(a, b)
+        owner.publish(SEED_A, 2, 0, versions[0][0])
+        with trio.fail_after(TIMEOUT_S):
+            await fetcher.sync_once([a.peer_id], lambda h: True)
+        assert fetcher.held[2].versions() == (versions[0][0],)
+        for round_index in range(1, 5):  # the fetcher misses rounds 1..3
+            head = owner.publish(SEED_A, 2, round_index, versions[round_index][0])
+        assert owner.held[2].versions() == tuple(w for w, _ in versions)
+        with trio.fail_after(TIMEOUT_S):
+            await fetcher.sync_once([a.peer_id], lambda h: True)
+        held = fetcher.held[2]
+        assert held.head == head and fetcher.chain_fetches == 3  # 3, 2, 1; 1's base it held
+        assert held.versions() == tuple(w for w, _ in versions)
+        public = SPARSE.decode_chain(held.versions(), NUMEL)
+        assert np.array_equal(public.view(np.uint32), versions[-1][1].public.view(np.uint32))
+        # A third node, holding nothing, gets the whole chain from the fetcher (not the owner).
+        async with open_host(identity_seed=b"\x0c" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as c:
+            await c.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+            third = ExpertStore(c, RUN)
+            configure_chained(third)
+            with trio.fail_after(TIMEOUT_S):
+                await third.sync_once([b.peer_id], lambda h: True)
+            assert third.held[2].versions() == held.versions() and third.chain_fetches == 4
+
+
+class Hostile:
+    """An owner serving a signed delta and whatever versions it likes by sha256, counting asks."""
+
+    def __init__(self, host: Host, tip: bytes, by_sha: dict[bytes, bytes]) -> None:
+        self.head = sign_head(SEED_A, RUN, 1, 7, tip)
+        self.by_sha = {self.head.sha256: tip, **by_sha}
+        self.gets = 0
+        host.set_handler(experts.PROTOCOL_ID, self.serve)
+
+    async def serve(self, stream: Stream) -> None:
+        request = await wire.receive(
+            stream, msg_types=frozenset({"heads?", "get"}), version=experts.VERSION, max_nbytes=4096
+        )
+        if request["t"] == "heads?":
+            await wire.send(stream, "heads", experts.VERSION, {"round": 7, "heads": [self.head.wire()]})
+            return
+        self.gets += 1
+        data = self.by_sha.get(request["sha256"])
+        if data is None:
+            await wire.send(stream, "gone", experts.VERSION, {})
+            return
+        await wire.send(stream, "expert", experts.VERSION, {"nbytes": len(data)})
+        await stream.write(data)
+
+
+def forged_delta(base: bytes, depth: int) -> bytes:
+    """A well-formed delta (a real one's payload) of ``depth`` naming ``base``."""
+    real = owner_versions(2)[1][0]
+    return bytes([real[0], depth]) + base + real[34:]
+
+
+async def test_a_delta_naming_a_base_nobody_holds_is_never_applied_nor_asked_for_again() -> None:
+    async with two_hosts() as (a, b):
+        _, fetcher = chained_stores(a, b)
+        hostile = Hostile(a, forged_delta(hashlib.sha256(b"nothing").digest(), 1), {})
+        for _ in range(3):
+            with trio.fail_after(TIMEOUT_S):
+                await fetcher.sync_once([a.peer_id], lambda h: True)
+        # The tip and its missing base were asked for once; the delta is held nowhere.
+        assert hostile.gets == 2 and 1 not in fetcher.held and fetcher.fetched == 0
+        assert fetcher.unresolved[1] == hostile.head
+
+
+async def test_a_chain_longer_than_a_chain_may_be_is_walked_no_further_and_refused() -> None:
+    async with two_hosts() as (a, b):
+        _, fetcher = chained_stores(a, b)
+        # 3 × CHAIN deltas, each naming the next, all claiming the deepest depth; then the
+        # same with depths that fall by one a step, as an honest chain's do, but past CHAIN.
+        for depths in ([SPARSE.chain - 1] * (3 * SPARSE.chain), list(range(3 * SPARSE.chain, 0, -1))):
+            base, by_sha = hashlib.sha256(b"the bottom").digest(), {}
+            for depth in reversed(depths):
+                delta = forged_delta(base, min(depth, 255))
+                base = hashlib.sha256(delta).digest()
+                by_sha[base] = delta
+            tip = by_sha.pop(base)
+            hostile = Hostile(a, tip, by_sha)
+            fetcher.held.pop(1, None)
+            fetcher.unresolved.clear()
+            with trio.fail_after(TIMEOUT_S):
+                await fetcher.sync_once([a.peer_id], lambda h: True)
+            assert hostile.gets <= SPARSE.chain  # the tip, then at most CHAIN − 1 back
+            held = fetcher.held.get(1)
+            if held is not None:  # kept as it came, for decoding to refuse (and its signer to pay)
+                with pytest.raises(ValueError):
+                    SPARSE.decode_chain(held.versions(), NUMEL)

@@ -4,6 +4,7 @@ only its own, versions travel, and a killed owner's experts are taken over."""
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from node.algorithms.spes import Spes
@@ -33,9 +34,13 @@ def rounds_done(node: Daemon) -> int:
     return node.training.metrics.rounds if node.training else 0
 
 
-async def test_each_node_trains_only_its_experts_and_fetches_the_others(short_tmp: Path) -> None:
+@pytest.mark.parametrize("compression", ["none", "sparseloco"])
+async def test_each_node_trains_only_its_experts_and_fetches_the_others(short_tmp: Path, compression: str) -> None:
+    """float32 versions; and, under sparseloco, int8 keyframes and sparse deltas, which every
+    holder rebuilds bit for bit (training/encodings/experts.py)."""
+    training = {**TRAINING, "run__settings__compression": compression}
     async with open_swarm(short_tmp) as swarm:
-        nodes = await start_trainers(swarm, 3, TRAINING, run_name="spes")
+        nodes = await start_trainers(swarm, 3, training, run_name="spes")
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
         owned = [set(spes_of(n).owned) for n in nodes]
         assert set().union(*owned) == set(range(NUM_EXPERTS))
@@ -57,6 +62,19 @@ async def test_each_node_trains_only_its_experts_and_fetches_the_others(short_tm
             assert status["rounds_with_partner"] >= 1
         # Every node sees the same owners.
         assert len({tuple(sorted(spes_of(n).ctx.state.leases.items())) for n in nodes}) == 1
+        if compression == "sparseloco":
+            # Deltas travelled (chains past their keyframe), and every frozen copy decoded
+            # from one is its owner's public copy of that version, bit for bit.
+            chains = {e: c for n in nodes for e, c in spes_of(n)._chains.items()}
+            assert any(c.depth > 0 for c in chains.values())
+            compared = 0
+            for node in nodes:
+                for expert, (sha256, values) in spes_of(node)._public.items():
+                    chain = chains.get(expert)
+                    if chain is not None and chain.sha256 == sha256:
+                        assert np.array_equal(values.view(np.uint32), chain.public.view(np.uint32))
+                        compared += 1
+            assert compared > 0
 
 
 async def test_a_killed_owners_experts_are_taken_over_by_the_survivors(short_tmp: Path) -> None:

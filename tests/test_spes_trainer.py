@@ -3,6 +3,7 @@ state), peers' versions are checked before they replace ours, and merging follow
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,16 @@ from training.checkpoint import CheckpointError
 from training.encodings import expert_versions
 from training.models import GPT, GPTConfig, preset
 from training.settings import InnerConfig, OuterConfig, SpesConfig
-from training.spes import EXPERT_BOUND, SpesTrainer, check_version, merge, merge_rate, rounding_slack
+from training.spes import (
+    EXPERT_BOUND,
+    MAX_ROUNDS_APART,
+    SpesTrainer,
+    chain_lag_rounds,
+    check_version,
+    merge,
+    merge_rate,
+    rounding_slack,
+)
 from training.trainer import Trainer
 
 SMALL_MOE = GPTConfig(context_len=32, embed_dim=32, num_layers=2, num_heads=2, num_experts=4)
@@ -134,6 +144,41 @@ def test_an_honest_int8_version_is_taken_however_small_its_update(update: float)
     # And the slack is small: a version 1000× its weights is refused all the same.
     assert check_version(held * 1000, held, reference=reference, rounds_apart=1, slack=slack) is not None
     assert rounding_slack(held, None) == 0.0
+
+
+def test_an_honest_chain_version_is_taken_and_the_lag_is_what_it_takes() -> None:
+    """Under sparseloco a version is a keyframe or a delta against the one before: the public
+    copy trails its owner by what was not sent yet (training/spes.py ``chain_lag_rounds``).
+    The owner moves the largest honest update a round (EXPERT_BOUND × our reference), always
+    the same way (error feedback's worst case: the residual builds up over the chain); every
+    pair of its versions, from a holder of an earlier one, is taken; and a holder of the
+    chain's deepest delta is refused the next keyframe without the chain's lag."""
+    sparse = expert_versions("sparseloco")
+    numel = 4 * 4096
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(numel) * 0.02).astype(np.float32)
+    direction = np.sign(rng.standard_normal(numel)).astype(np.float32) * np.float32(1e-3)
+    reference = 1.0
+    step = (EXPERT_BOUND * reference / np.linalg.norm(direction)).astype(np.float32) * direction
+    chain = None
+    versions = []
+    for _ in range(sparse.chain + 1):
+        x = (x + step).astype(np.float32)
+        _, chain = sparse.encode_next(x.tobytes(), chain)
+        assert chain is not None
+        versions.append(torch.from_numpy(chain.public.copy()))
+    lag = chain_lag_rounds(sparse.chain)
+    assert lag == 2 * (sparse.chain - 1) and chain_lag_rounds(expert_versions("int8").chain) == 0
+    for a, held in enumerate(versions):
+        slack = rounding_slack(held, sparse.block, sparse.chain)
+        for b in range(a + 1, len(versions)):
+            apart = min(b - a, MAX_ROUNDS_APART) + lag
+            assert check_version(versions[b], held, reference=reference, rounds_apart=apart, slack=slack) is None
+    deepest, keyframe = versions[-2], versions[-1]
+    slack = rounding_slack(deepest, sparse.block)
+    assert check_version(keyframe, deepest, reference=reference, rounds_apart=1, slack=slack) is not None
+    # A version 1000× its weights is refused all the same.
+    assert check_version(deepest * 1000, deepest, reference=reference, rounds_apart=1 + lag, slack=slack) is not None
 
 
 def test_a_trainer_of_a_compressed_run_widens_its_bound_by_the_rounding_only() -> None:

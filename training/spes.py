@@ -84,14 +84,33 @@ def _shared_params(model: GPT) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if expert_index(name) is None]
 
 
-def rounding_slack(held: torch.Tensor, block: int | None) -> float:
+def chain_lag_rounds(chain: int) -> int:
+    """Rounds of updates added to the rounds between two versions where versions travel in
+    chains of ``chain`` (training/encodings/experts.py ``Sparse``): 0 for versions that stand
+    alone. Derivation: a delta version is x̂ = x − e, the owner's weights less what was not
+    sent yet; a delta sends C(v) of v = x − x̂_before, and C (top-k per chunk, each half's
+    mean) is an orthogonal projection, so ‖e_after‖ = ‖v − C(v)‖ ≤ ‖v‖ ≤ ‖e_before‖ + ‖u‖,
+    u the owner's update that round. From the keyframe (e its int8 rounding, in
+    ``rounding_slack``) through at most chain − 1 deltas, ‖e‖ ≤ rounding + (chain − 1)·U,
+    U the largest honest update a round, which ``check_version``'s bound takes to be
+    EXPERT_BOUND × our reference. Two versions are ‖x̂_b − x̂_a‖ ≤ ‖x_b − x_a‖ + ‖e_a‖ + ‖e_b‖
+    apart: chain − 1 rounds more on each side."""
+    return 2 * (chain - 1)
+
+
+def rounding_slack(held: torch.Tensor, block: int | None, chain: int = 1) -> float:
     """How far two int8 versions (training/encodings/experts.py) of weights like ``held``
     can be from the weights they were made of, together: half a step (a block's largest
     magnitude / 127) per value, on each side, in ‖·‖. Measured on our own copy, never on
     the stranger's version: a peer cannot widen its own bound. Without it an honest
     owner's version was refused (and its owner banned) once its updates were smaller than
     the rounding: at ~3e-6 a value a round from the exact genesis copy (a second reader's
-    probe, N(0, 0.02) weights). 0 where versions travel exactly (``block`` None)."""
+    probe, N(0, 0.02) weights). 0 where versions travel exactly (``block`` None).
+
+    ``chain``: versions in a chain (``chain_lag_rounds``); each of its chain − 1 deltas
+    adds in float32, rounding each value by at most 2⁻²⁴ of itself, on each side: 2⁻²³ ×
+    the copy's norm a delta, which is ours with a factor 2 for the other side's copy (a
+    version twice our norm away is ‖held‖ off, refused unless the bound allows far more)."""
     if block is None or held.numel() == 0:
         return 0.0
     flat = held.detach().reshape(-1).float()
@@ -100,7 +119,8 @@ def rounding_slack(held: torch.Tensor, block: int | None) -> float:
     counts[-1] = flat.numel() - (len(scales) - 1) * block
     half_steps = scales / 2
     # Each side's rounding, and a float32 rounding of the division and product on top.
-    return 2 * float(torch.sqrt((counts * half_steps**2).sum())) * (1 + 2.0**-20)
+    keyframes = 2 * float(torch.sqrt((counts * half_steps**2).sum())) * (1 + 2.0**-20)
+    return keyframes + (chain - 1) * 2.0**-22 * float(torch.linalg.vector_norm(flat))
 
 
 def version_gap(
@@ -197,8 +217,11 @@ class SpesTrainer(Trainer):
             for param in params:
                 param.requires_grad_(False)
         super().__init__(model, shard, outer_params=_shared_params(model), **kwargs)
-        self.version_block = expert_versions(kwargs.get("compression", "none")).block
+        versions = expert_versions(kwargs.get("compression", "none"))
+        self.version_block = versions.block
         """Versions of experts travel rounded per block of this many values (None: exactly)."""
+        self.version_chain = versions.chain
+        """Versions travel in chains of at most this many (1: each stands alone)."""
         self.spes = spes
         self.rounds = rounds
         self.owned: frozenset[int] = frozenset()
@@ -269,7 +292,8 @@ class SpesTrainer(Trainer):
         # The daemon takes versions of rounds up to 16 past ours; the bound grows with the
         # rounds between two versions only up to MAX_ROUNDS_APART, whatever round is claimed.
         apart = min(version_round - self.held_rounds[expert], MAX_ROUNDS_APART)
-        slack = rounding_slack(held, self.version_block)
+        apart += chain_lag_rounds(self.version_chain)  # what a chain's versions may trail their owner by
+        slack = rounding_slack(held, self.version_block, self.version_chain)
         refusal = check_version(new, held, reference=reference, rounds_apart=apart, slack=slack)
         if refusal is None:
             # Honest versions' share of the bound, for the worker log (docs/training.md).

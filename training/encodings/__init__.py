@@ -21,7 +21,7 @@ MODULES = {
     "sparseloco": "training.encodings.sparseloco",
 }
 NAMES = tuple(MODULES)
-EXPERT_VERSIONS = {"none": "float32", "int8": "int8", "sparseloco": "int8"}
+EXPERT_VERSIONS = {"none": "float32", "int8": "int8", "sparseloco": "sparse"}
 """How a run of each encoding sends SPES's published expert versions (training/encodings/experts.py)."""
 
 

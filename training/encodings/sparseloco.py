@@ -59,11 +59,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from training.encodings import topk
+from training.encodings.topk import CHUNK, TOP_K
 from training.quantize import BLOCK, dequantize, quantize
 
 VERSION = 1
-CHUNK = 4096
-TOP_K = 1024
 FRAGMENTS = 32
 
 
@@ -105,10 +105,6 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     """The inverse of ``pack_bits``: ``count`` ints of ``bits`` bits each (int64)."""
     stream = torch.from_numpy(np.unpackbits(data.numpy(), count=count * bits, bitorder="little"))
     return (stream.view(count, bits).to(torch.int64) << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
-
-
-_CODES = np.array([[(byte >> (2 * i)) & 3 for i in range(4)] for byte in range(256)], dtype=np.uint8)
-"""A byte of codes → its four 2-bit codes, LSB first (``pack_bits``'s order)."""
 
 
 def _select(chunk_values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +188,7 @@ class SparseLoCo:
         return wire, torch.cat([seen_phi, sent])
 
     def decode(self, wire: torch.Tensor, numels: list[int], *, fill: torch.Tensor | None = None) -> torch.Tensor:
-        length, phi_nbytes, chunks, kept = _layout(numels)
+        length, phi_nbytes, chunks, _ = _layout(numels)
         half = sum(numels[: len(numels) // 2])
         wire = wire.cpu()  # parsed on the CPU; the result lands on ``fill``'s device
         if wire.dtype != torch.uint8 or wire.numel() != self.nbytes(numels):
@@ -213,22 +209,10 @@ class SparseLoCo:
             raise ValueError(f"fragment {fragment} is not one of 0..{FRAGMENTS - 1}")
         phi_codes = torch.from_numpy(take(length).view(np.int8))
         phi_scales = torch.from_numpy(take(phi_nbytes - length).view("<f4"))
-        total = sum(chunks)
-        mask = np.unpackbits(take(-(-total // 8)), bitorder="little").view(np.bool_)  # a byte a value
-        codes = _CODES[take(-(-2 * kept // 8))].reshape(-1)[:kept]  # 4 codes a byte
-        magnitudes = torch.from_numpy(take(8 * len(chunks)).view("<f4"))
-        if mask[total:].any():
-            raise ValueError("bits set past the last value")
-        sizes = np.array(chunks, dtype=np.int64)
-        per_chunk = np.minimum(sizes, TOP_K)
-        found = np.flatnonzero(mask)  # ascending: chunk by chunk
-        if not np.array_equal(np.diff(np.searchsorted(found, np.cumsum(sizes)), prepend=0), per_chunk):
-            raise ValueError("a chunk sends another number of values than its share")
+        # The Δ sections, as training/encodings/topk.py lays them out (and checks them).
+        found, sent, _ = topk.decode(take(topk.nbytes(chunks)), chunks)
         positions = torch.from_numpy(found)
-        # Each value's magnitude: its chunk's lower (code bit 1 clear) or upper mean; its sign, bit 0.
-        which = torch.from_numpy(np.repeat(2 * np.arange(len(chunks)), per_chunk) + (codes >> 1))
-        sign = torch.from_numpy(1.0 - 2.0 * (codes & 1).astype(np.float32))
-        values = magnitudes[which] * sign
+        values = torch.from_numpy(sent)
         out = torch.empty(sum(numels), dtype=torch.float32, device=fill.device)
         out[:half] = fill[:half]
         start = fragment * length

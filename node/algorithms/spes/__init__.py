@@ -19,8 +19,10 @@ versions published since.
 """
 
 import logging
+from functools import partial
 from typing import Any
 
+import numpy as np
 import trio
 
 from node.algorithms.base import Context
@@ -31,6 +33,7 @@ from node.supervisor import WorkerConnection, WorkerGone, attach_block, close_bl
 from protocol.net.peers import BAN_POINTS
 from protocol.runstate.state import MAX_EXPERTS
 from training.encodings import expert_versions
+from training.encodings.experts import Chain
 
 logger = logging.getLogger("node.training")
 
@@ -55,7 +58,12 @@ class Spes(Noloco):
         super().__init__(ctx)
         self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
         self.versions = expert_versions(ctx.run.compression)
-        """How versions travel: float32, or int8 where the run compresses (training/encodings/experts.py)."""
+        """How versions travel: float32, int8, or keyframes and deltas (training/encodings/experts.py)."""
+        self._chains: dict[int, Chain] = {}
+        """Our public copy of each expert we own and publish (deltas are against it)."""
+        self._public: dict[int, tuple[bytes, np.ndarray]] = {}
+        """The sha256 and values of the version of each frozen expert we last decoded: a
+        delta onto it is applied alone, not its chain from the keyframe."""
         self.expert_numel = 0
         """Float32 values of one expert (known once the worker is ready)."""
         self.keeper = LeaseKeeper(
@@ -114,7 +122,13 @@ class Spes(Noloco):
             raise WorkerGone(f"a SPES worker's ready names {num_experts!r} experts of {nbytes!r} bytes")
         held = fields.get("held_rounds")
         self.expert_numel = nbytes // 4  # float32 values
-        self.store.configure(num_experts, self.versions.nbytes(self.expert_numel))
+        numel, versions = nbytes // 4, self.versions
+        self.store.configure(
+            num_experts,
+            *versions.sizes(numel),
+            link=lambda wire: versions.link(wire, numel),
+            max_chain=versions.chain,
+        )
         self.keeper.num_experts = num_experts
         self._worker_rounds = list(held) if isinstance(held, list) and len(held) == num_experts else [-1] * num_experts
         if self._block is not None:
@@ -161,11 +175,25 @@ class Spes(Noloco):
         nbytes = 4 * self.expert_numel
         owned = list(self.owned)
         raw = [bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes]) for expert in owned]
+        # A chain goes on only from our own newest version (a new owner, or one that lost
+        # and took back an expert, starts one from a keyframe).
+        chains = []
+        for expert in owned:
+            chain, held = self._chains.get(expert), self.store.held.get(expert)
+            ours = held is not None and held.head.owner == self.ctx.host.peer_id
+            chains.append(
+                chain if chain is not None and held is not None and ours and held.head.sha256 == chain.sha256 else None
+            )
         # Off the event loop: a gpt-125m-moe expert is 28 M values (~0.8 s to encode on a busy core).
-        encoded = await trio.to_thread.run_sync(lambda: [self.versions.encode(data) for data in raw])
-        for expert, data in zip(owned, encoded, strict=True):
+        encoded = await trio.to_thread.run_sync(
+            lambda: [self.versions.encode_next(data, chain) for data, chain in zip(raw, chains, strict=True)]
+        )
+        self._chains = {}
+        for expert, (data, chain) in zip(owned, encoded, strict=True):
             self.store.publish(self.ctx.identity_seed, expert, round_index, data)
             self._worker_rounds[expert] = round_index
+            if chain is not None:
+                self._chains[expert] = chain
         self.store.round = round_index + 1
         await super().exchange(worker, done, outbox, inbox)
 
@@ -181,16 +209,24 @@ class Spes(Noloco):
                 continue  # the worker trained it this round (or it is our own): its copy is the newest
             if held.head.round <= self._worker_rounds[expert]:
                 continue
+            versions, base = held.versions(), None
+            cached = self._public.pop(expert, None)
+            at = None if cached is None else held.find(cached[0])
+            if cached is not None and at is not None and at + 1 < len(versions):
+                versions, base = versions[at + 1 :], cached[1]  # what we decoded last, and the deltas since
             try:  # off the event loop, as encoding is
-                data = await trio.to_thread.run_sync(self.versions.decode, held.data, self.expert_numel)
-            except ValueError as exc:  # signed by its owner: its own doing
+                values = await trio.to_thread.run_sync(
+                    partial(self.versions.decode_chain, versions, self.expert_numel, base=base)
+                )
+            except ValueError as exc:  # signed by its owner (each version back to the keyframe): its own doing
                 self.versions_refused += 1
                 self.store.forget(held.head)
                 logger.warning("refused expert %d's version from %s undecoded: %s", expert, held.head.owner, exc)
                 await self.ctx.host.punish(held.head.owner, f"expert version refused: {exc}", points=BAN_POINTS)
                 banned = True
                 continue
-            self._block.buf[expert * nbytes : (expert + 1) * nbytes] = data
+            self._public[expert] = (held.head.sha256, values)
+            self._block.buf[expert * nbytes : (expert + 1) * nbytes] = values.tobytes()
             swaps.append([expert, held.head.round])
             self._swapped[expert] = held.head
         if banned:
@@ -211,6 +247,7 @@ class Spes(Noloco):
             refused_experts.add(expert)
             self.versions_refused += 1
             self.store.forget(head)
+            self._public.pop(head.expert, None)
             logger.warning(
                 "round %s: refused expert %d's version from %s: %s", done.get("round"), expert, head.owner, reason
             )

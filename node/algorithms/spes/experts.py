@@ -15,9 +15,15 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                          ◀───────── {t: "expert", v: 1, nbytes} then nbytes raw
                                                      bytes (one expert's flat layout,
                                                      training/spes.py, as the run's versions
-                                                     travel: float32, or int8 where the run
-                                                     compresses, training/encodings/experts.py),
+                                                     travel: float32, int8, or a keyframe
+                                                     or delta where the run's compression is
+                                                     sparseloco, training/encodings/experts.py),
                                                      or {t: "gone", v: 1}
+
+``get`` names a version by its sha256: the head's, or, where versions are chained (deltas
+against the version before), any version of the chain a holder keeps. A holder keeps each
+expert's chain from its keyframe to its newest version (at most the codec's ``chain``
+versions) and serves any of them; the heads list the newest only.
 
 A head is its owner's ed25519 signature over (run, expert, owner, round, sha256), so a
 holder can relay a version but never make one up: the asker checks the signature before it
@@ -26,9 +32,19 @@ wanted (signed by the expert's owner now, newer than what we hold) is the algori
 (node/algorithms/spes/__init__.py); the worker then bounds the values before they replace
 its copy (training/spes.py ``check_version``), and a refused version costs its signer.
 
-Bounds: ``nbytes`` must be the run's expert size (known from the worker) before a byte is
-allocated; at most MAX_PARALLEL_FETCHES transfers at once (the fan-out cap: a node behind
-fetches its versions a few at a time, never all at once from everyone); heads are asked of
+Chains: a delta names its base's sha256 inside its bytes (covered by the signed head's
+sha256, so every version back to the keyframe is its signer's word, transitively). A holder
+applies a delta only onto that exact version: lacking it, it fetches back along the chain by
+sha256 from the holder that listed the head, to a version it holds or to a keyframe, each
+step one version nearer the keyframe (the codec's ``link`` checks the depth), at most
+``chain − 1`` steps; a chain it cannot complete is left (that head is not asked for again),
+one whose links do not fit is kept as it came, for the worker's side to refuse and its
+signer to be banned (node/algorithms/spes/__init__.py).
+
+Bounds: ``nbytes`` must be one of the run's version sizes (known from the worker and the
+codec: a keyframe's or a delta's) before a byte is allocated; at most MAX_PARALLEL_FETCHES
+transfers at once (the fan-out cap: a node behind fetches its versions a few at a time,
+never all at once from everyone); a chain is walked back at most ``chain − 1`` versions; heads are asked of
 live trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
 (``Host.tensor_refusal``), capped by the node's upload limit.
 """
@@ -37,7 +53,7 @@ import hashlib
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -106,10 +122,31 @@ def parse_head(item: object, run_id: str) -> Head:
     return head
 
 
+def _standalone(wire: bytes) -> tuple[int, bytes | None]:
+    return 0, None
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
     head: Head
     data: bytes
+    """The newest version's bytes (the head's)."""
+    chain: tuple[bytes, ...] = ()
+    """The versions from its keyframe to ``data`` included (empty: ``data`` alone)."""
+    shas: tuple[bytes, ...] = field(default=())
+    """Each of ``chain``'s sha256."""
+
+    def versions(self) -> tuple[bytes, ...]:
+        return self.chain or (self.data,)
+
+    def find(self, sha256: bytes) -> int | None:
+        """Where the version of this sha256 is in ``versions()``."""
+        shas = self.shas or (self.head.sha256,)
+        return shas.index(sha256) if sha256 in shas else None
+
+
+def _held(head: Head, chain: tuple[bytes, ...]) -> Held:
+    return Held(head, chain[-1], chain, tuple(hashlib.sha256(w).digest() for w in chain))
 
 
 class ExpertStore:
@@ -122,6 +159,14 @@ class ExpertStore:
         self.num_experts = 0
         self.expert_nbytes = 0
         """Known once our worker is ready: until then we hold, serve and fetch nothing."""
+        self.sizes: frozenset[int] = frozenset()
+        """Every size a version may have (a keyframe's, a delta's): ``expert_nbytes`` the largest."""
+        self.max_chain = 1
+        self._link: Callable[[bytes], tuple[int, bytes | None]] = _standalone
+        self.unresolved: dict[int, Head] = {}
+        """Per expert, a head whose chain we could not complete (not asked for again)."""
+        self.chain_fetches = 0
+        """Versions fetched back along a chain (not heads)."""
         self.round = 0
         """Our round, told to askers."""
         self.held: dict[int, Held] = {}
@@ -146,17 +191,34 @@ class ExpertStore:
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=TRANSFER_TIMEOUT_S + HEADER_TIMEOUT_S)
 
-    def configure(self, num_experts: int, expert_nbytes: int) -> None:
-        if not (0 < num_experts <= MAX_EXPERTS and expert_nbytes > 0):
-            raise ValueError(f"{num_experts} experts of {expert_nbytes} bytes")
-        self.num_experts, self.expert_nbytes = num_experts, expert_nbytes
+    def configure(
+        self,
+        num_experts: int,
+        *sizes: int,
+        link: Callable[[bytes], tuple[int, bytes | None]] = _standalone,
+        max_chain: int = 1,
+    ) -> None:
+        """``sizes``: every size a version may have; ``link``: a version's (depth, base
+        sha256) (the codec's, ``ValueError`` if its header does not fit); ``max_chain``: the
+        most versions in a chain, keyframe included."""
+        if not (0 < num_experts <= MAX_EXPERTS and sizes and min(sizes) > 0 and max_chain >= 1):
+            raise ValueError(f"{num_experts} experts of {sizes} bytes, chains of {max_chain}")
+        self.num_experts, self.expert_nbytes, self.sizes = num_experts, max(sizes), frozenset(sizes)
+        self._link, self.max_chain = link, max_chain
 
     def publish(self, seed: bytes, expert: int, round_index: int, data: bytes) -> Head:
-        """Our own version of an expert we own (the worker's slot, copied)."""
-        if len(data) != self.expert_nbytes:
-            raise ValueError(f"an expert is {self.expert_nbytes} bytes, got {len(data)}")
+        """Our own version of an expert we own (as it travels); a delta extends the chain
+        of the version it names, which must be our newest of that expert."""
+        if len(data) not in self.sizes:
+            raise ValueError(f"a version is one of {sorted(self.sizes)} bytes, got {len(data)}")
         head = sign_head(seed, self._run_id, expert, round_index, data)
-        self._keep(Held(head, data))
+        _, base = self._link(data)
+        held = self.held.get(expert)
+        at = None if base is None or held is None else held.find(base)
+        if base is not None and (held is None or at is None):
+            raise ValueError(f"expert {expert}: a delta against a version we do not hold")
+        chain = (data,) if held is None or at is None else (*held.versions()[: at + 1], data)
+        self._keep(_held(head, chain))
         return head
 
     def _keep(self, held: Held) -> None:
@@ -199,38 +261,84 @@ class ExpertStore:
         them. Raises ``ProtocolError``, already judged (bytes that do not hash as signed)."""
         if self.expert_nbytes == 0 or not 0 <= head.expert < self.num_experts:
             return False
-        what = "expert fetch"
-        async with (
-            self._fetches,
-            exchange(
-                self._host,
-                peer_id,
-                PROTOCOL_ID,
-                what=what,
-                timeout_s=TRANSFER_TIMEOUT_S,
-                open_timeout_s=HEADER_TIMEOUT_S,
-            ) as stream,
-        ):
-            await wire.send(stream, "get", VERSION, {"run": self._run_id, "expert": head.expert, "sha256": head.sha256})
+        async with self._fetches:
+            data = await self._download(peer_id, head.expert, head.sha256)
+            if data is None:
+                return False
+            chain = await self._chain_to(peer_id, head, data)
+        if chain is None:
+            self.unresolved[head.expert] = head
+            return False
+        held = self.held.get(head.expert)
+        if held is None or _newer(head, held.head):
+            self.fetched += 1
+            self._keep(_held(head, chain))
+        return True
+
+    async def _chain_to(self, peer_id: str, head: Head, data: bytes) -> tuple[bytes, ...] | None:
+        """The chain of versions from a keyframe (or from a version we hold) up to ``data``,
+        fetched back by sha256 from ``peer_id`` one version at a time, at most
+        ``max_chain − 1`` of them; None if it no longer has one. A chain whose links do not
+        fit (a header the codec refuses, a depth that does not fall by one a step) is
+        returned as far as it came: the signer's own doing, refused at decoding."""
+        wires = [data]
+        try:
+            depth, base = self._link(data)
+        except ValueError:
+            return (data,)
+        while base is not None:
+            held = self.held.get(head.expert)
+            at = None if held is None else held.find(base)
+            if held is not None and at is not None:
+                if at + 1 + len(wires) > self.max_chain:
+                    return tuple(reversed(wires))  # longer than a chain may be: refused at decoding
+                return (*held.versions()[: at + 1], *reversed(wires))
+            if len(wires) >= self.max_chain:
+                return tuple(reversed(wires))  # longer than a chain may be: refused at decoding
+            older = await self._download(peer_id, head.expert, base)
+            if older is None:
+                return None
+            self.chain_fetches += 1
+            wires.append(older)
+            try:
+                older_depth, base = self._link(older)
+            except ValueError:
+                break
+            if older_depth != depth - 1:
+                break
+            depth = older_depth
+        return tuple(reversed(wires))
+
+    async def _download(self, peer_id: str, expert: int, sha256: bytes) -> bytes | None:
+        """The bytes of the version of ``expert`` that hash to ``sha256``, from ``peer_id``;
+        None if it does not hold it. Raises ``ProtocolError``, already judged (bytes that
+        do not hash as asked)."""
+        async with exchange(
+            self._host,
+            peer_id,
+            PROTOCOL_ID,
+            what="expert fetch",
+            timeout_s=TRANSFER_TIMEOUT_S,
+            open_timeout_s=HEADER_TIMEOUT_S,
+        ) as stream:
+            await wire.send(stream, "get", VERSION, {"run": self._run_id, "expert": expert, "sha256": sha256})
             try:
                 with trio.fail_after(HEADER_TIMEOUT_S):
                     reply = await wire.receive(
                         stream, msg_types=frozenset({"expert", "gone"}), version=VERSION, max_nbytes=4096
                     )
             except trio.TooSlowError as exc:
-                raise ProtocolError(f"{peer_id} did not answer for expert {head.expert} in time") from exc
+                raise ProtocolError(f"{peer_id} did not answer for expert {expert} in time") from exc
             if reply["t"] == "gone":
-                return False
-            wire.get_int(reply, "nbytes", lo=self.expert_nbytes, hi=self.expert_nbytes)
-            data = await _receive(stream, self.expert_nbytes)
-            if hashlib.sha256(data).digest() != head.sha256:
+                return None
+            nbytes = wire.get_int(reply, "nbytes", lo=min(self.sizes), hi=self.expert_nbytes)
+            if nbytes not in self.sizes:
+                raise BadMessage(f"an expert version is one of {sorted(self.sizes)} bytes, not {nbytes}")
+            data = await _receive(stream, nbytes)
+            if hashlib.sha256(data).digest() != sha256:
                 raise BadMessage("the expert's bytes do not hash as its owner signed")
         self.bytes_received += len(data)
-        held = self.held.get(head.expert)
-        if held is None or _newer(head, held.head):
-            self.fetched += 1
-            self._keep(Held(head, data))
-        return True
+        return data
 
     def forget(self, head: Head) -> None:
         """Drop a version the worker refused (we neither serve nor offer it again)."""
@@ -297,6 +405,7 @@ class ExpertStore:
                 head.expert >= self.num_experts
                 or not wanted(head)
                 or (held is not None and not _newer(head, held.head))
+                or self.unresolved.get(head.expert) == head
             ):
                 continue
             if head.expert not in best or _newer(head, best[head.expert]):
@@ -326,13 +435,15 @@ class ExpertStore:
         expert = wire.get_int(request, "expert", lo=0, hi=MAX_EXPERTS - 1)
         sha256 = wire.get_bytes(request, "sha256", max_nbytes=SHA256_NBYTES)
         held = self.held.get(expert)
+        at = None if held is None else held.find(sha256)
         refusal = self._host.tensor_refusal(stream.peer_id)
-        if not ours or held is None or held.head.sha256 != sha256 or refusal is not None:
+        if not ours or held is None or at is None or refusal is not None:
             await wire.send(stream, "gone", VERSION, {})
             return
-        await wire.send(stream, "expert", VERSION, {"nbytes": len(held.data)})
+        data = held.versions()[at]
+        await wire.send(stream, "expert", VERSION, {"nbytes": len(data)})
         limit = self._host.tensor_limit(stream.peer_id, self._upload_limit)
-        view = memoryview(held.data)
+        view = memoryview(data)
         for start in range(0, len(view), CHUNK_NBYTES):
             chunk = view[start : start + CHUNK_NBYTES]
             await limit.take(len(chunk))
