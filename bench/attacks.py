@@ -27,6 +27,8 @@ from node.algorithms.zo import Zo, zolog
 from node.algorithms.zo.rounds import ZoRounds
 from node.daemon import Daemon
 from protocol.runstate.state import LeaseRecord, sign_lease
+from training.encodings import topk
+from training.encodings.experts import DELTA
 
 
 async def pairing_of(daemon: Daemon) -> Pairing:
@@ -92,6 +94,15 @@ async def poison_experts(daemon: Daemon, scale: float) -> None:
     publish = store.publish
 
     def poisoned(seed: bytes, expert: int, round_index: int, data: bytes) -> Any:
+        if versions.chain > 1:
+            # Chained versions (sparseloco): its deltas' magnitudes scaled, its keyframes left
+            # honest (a delta's values are its chunks' magnitudes with signs).
+            if data[:1] != bytes([DELTA]):
+                return publish(seed, expert, round_index, data)
+            at = len(data) - 8 * len(topk.chunk_sizes(spes.expert_numel))
+            with np.errstate(all="ignore"):
+                magnitudes = (np.frombuffer(data[at:], dtype="<f4") * np.float32(scale)).astype("<f4")
+            return publish(seed, expert, round_index, data[:at] + magnitudes.tobytes())
         # As the run's versions travel (int8: a NaN scale stays NaN; huge values, huge scales).
         values = np.frombuffer(versions.decode(data, spes.expert_numel), dtype=np.float32)
         with np.errstate(all="ignore"):

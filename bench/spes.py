@@ -97,6 +97,7 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "expert_bytes_per_round": statistics.mean(
             (n.get("expert_bytes_sent") or 0) / max(1, n["rounds"] - (n.get("start_round") or 0)) for n in nodes
         ),
+        "versions_refused": sum(n.get("expert_versions_refused") or 0 for n in nodes),
         "tokens_per_s": statistics.mean(
             tokens_per_round * n["rounds"] / n["compute_s"] for n in nodes if n["compute_s"]
         ),

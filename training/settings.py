@@ -164,7 +164,9 @@ class RunSettings:
     rounds: int = 20
     """Outer rounds to train, then the workers stop (the nodes stay on the network)."""
     compression: str = "none"
-    """Outer payload encoding: none (float32) or int8 (blockwise, ≈ 3.9× fewer bytes)."""
+    """Outer payload encoding: none (float32), int8 (blockwise, ≈ 3.9× fewer bytes) or
+    sparseloco (training/encodings/); SPES's expert versions follow it
+    (training/encodings/experts.py: float32, int8, int8 keyframes and sparse deltas)."""
     seed: int = 0
     """The run's initial weights (the same on every node) and the order of each node's
     batches: runs that differ only in it show what chance does (bench/spes.py)."""

@@ -69,15 +69,16 @@ async def test_a_partner_that_never_sends_costs_a_bounded_wait_and_a_penalty(sho
 
 @pytest.mark.parametrize(
     ("compression", "scale"),
-    [("none", 1000.0), ("int8", math.nan)],
-    ids=["float32 versions x1000", "int8 versions with NaN scales"],
+    [("none", 1000.0), ("int8", math.nan), ("sparseloco", math.nan)],
+    ids=["float32 versions x1000", "int8 versions with NaN scales", "sparse deltas with NaN magnitudes"],
 )
 async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_replaced(
     short_tmp: Path, compression: str, scale: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Refused by the worker's bounds (float32 × 1000), or by the daemon's int8 decoder
-    before the worker sees it (NaN in a block makes its scale NaN:
-    training/encodings/experts.py)."""
+    """Refused by the worker's bounds (float32 × 1000), or by the daemon's decoder before
+    the worker sees it (NaN in a block makes its int8 scale NaN; a sparseloco delta's NaN
+    magnitudes: training/encodings/experts.py; its keyframes are left honest, so the
+    refused version is a delta decoded along its chain)."""
     from bench.attacks import poison_experts
     from node.algorithms.spes import Spes
 
@@ -85,7 +86,8 @@ async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_re
         **TRAINING,
         "run__settings__algorithm": "spes",
         "run__settings__model": "micro-moe",
-        "run__settings__rounds": 8,
+        # A delta by round 1 (a keyframe at 0): 5 rounds do for sparseloco.
+        "run__settings__rounds": 5 if compression == "sparseloco" else 8,
         "run__settings__compression": compression,
     }
     async with open_swarm(short_tmp) as swarm:
@@ -111,8 +113,9 @@ async def test_a_spes_owner_publishing_poisoned_experts_is_refused_banned_and_re
         # finished first, has none (the same rule as the payload test's above).
         assert any(n.peers.is_banned(hostile.peer_id) for n in honest)
         undecoded = [r.getMessage() for r in caplog.records if "undecoded" in r.getMessage()]
-        if compression == "int8":  # refused by the daemon's decoder, not by the worker's bounds
-            assert undecoded and all(hostile.peer_id in m and "scales" in m for m in undecoded), undecoded
+        if compression != "none":  # refused by the daemon's decoder, not by the worker's bounds
+            word = "scales" if compression == "int8" else "magnitudes"
+            assert undecoded and all(hostile.peer_id in m and word in m for m in undecoded), undecoded
         else:
             assert undecoded == []
 
