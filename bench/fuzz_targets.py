@@ -1274,11 +1274,19 @@ def _expert_chain() -> list[bytes]:
 
 
 def _expert_version_sparse(raw: bytes) -> object:
-    """A version after the seeds' keyframe: alone if a keyframe, else as the next of the chain."""
+    """A version after the seeds' keyframe: alone if a keyframe, else as the next of the
+    chain; and a delta as a holder of the version before it decodes it (from that public
+    copy: ``base``, and its depth)."""
     versions = encodings.expert_versions("sparseloco")
     keyframe, delta, _ = _expert_chain()
     chain = [raw] if raw[:1] == bytes([1]) else [keyframe, delta, raw] if raw[1:2] == bytes([2]) else [keyframe, raw]
-    return versions.decode_chain(chain, _EXPERT_NUMEL)
+    whole = versions.decode_chain(chain, _EXPERT_NUMEL)
+    if raw[:1] == bytes([2]):
+        depth = len(chain) - 2
+        base = versions.decode_chain(chain[:-1], _EXPERT_NUMEL)
+        onward = versions.decode_chain([raw], _EXPERT_NUMEL, base=base, base_depth=depth)
+        assert np.array_equal(onward.view(np.uint32), whole.view(np.uint32)), "decoded from a base, other bits"
+    return whole
 
 
 def _targets() -> list[Target]:

@@ -122,7 +122,9 @@ def test_a_chain_is_rebuilt_bit_for_bit_from_its_keyframe_or_from_any_version_he
         assert whole.dtype == np.float32 and np.array_equal(whole.view(np.uint32), chain.public.view(np.uint32))
         assert chain.sha256 == hashlib.sha256(wire).digest()
         for held in range(start, i):  # a holder of an earlier version applies only what follows it
-            onward = SPARSE.decode_chain(wires[held - start + 1 :], numel, base=versions[held][1].public)
+            onward = SPARSE.decode_chain(
+                wires[held - start + 1 :], numel, base=versions[held][1].public, base_depth=held - start
+            )
             assert np.array_equal(onward.view(np.uint32), chain.public.view(np.uint32))
 
 
@@ -234,3 +236,16 @@ def test_a_delta_cannot_take_a_value_past_float32s_range() -> None:
     wire[magnitudes_at:] = np.array([MAX_MAGNITUDE, MAX_MAGNITUDE], dtype="<f4").tobytes()
     with pytest.raises(ValueError, match="range"):
         SPARSE.decode_chain([bytes(wire)], numel, base=base)
+
+
+def test_an_owner_whose_delta_no_holder_would_take_sends_a_keyframe_instead() -> None:
+    """Finite weights whose difference from the public copy is past float32's range (1e38
+    then −1e38): the delta's magnitudes would be refused by every holder, and the owner's
+    own encoder raised on them, restarting its worker every round. A keyframe goes."""
+    numel = 4096
+    first = np.full(numel, 1e38, dtype=np.float32)
+    wire, chain = SPARSE.encode_next(first.tobytes(), None)
+    assert wire[0] == KEYFRAME and chain.depth == 0
+    wire, chain = SPARSE.encode_next((-first).tobytes(), chain)
+    assert wire[0] == KEYFRAME and chain.depth == 0
+    assert np.array_equal(SPARSE.decode_chain([wire], numel), chain.public)

@@ -213,6 +213,11 @@ class Hostile:
         self.gets = 0
         host.set_handler(experts.PROTOCOL_ID, self.serve)
 
+    def resign(self, tip: bytes) -> None:
+        """Another signed head of the same round, for ``tip``."""
+        self.head = sign_head(SEED_A, RUN, 1, 7, tip)
+        self.by_sha[self.head.sha256] = tip
+
     async def serve(self, stream: Stream) -> None:
         request = await wire.receive(
             stream, msg_types=frozenset({"heads?", "get"}), version=experts.VERSION, max_nbytes=4096
@@ -244,7 +249,49 @@ async def test_a_delta_naming_a_base_nobody_holds_is_never_applied_nor_asked_for
                 await fetcher.sync_once([a.peer_id], lambda h: True)
         # The tip and its missing base were asked for once; the delta is held nowhere.
         assert hostile.gets == 2 and 1 not in fetcher.held and fetcher.fetched == 0
-        assert fetcher.unresolved[1] == hostile.head
+        assert fetcher.unresolved[(1, hostile.head.owner)] == 7
+
+
+async def test_an_owner_re_signing_an_unresolvable_head_each_time_is_not_fetched_again() -> None:
+    """Another head of the same round each time we ask (another base each: all missing):
+    its chains are not walked again (they were, 2 gets a sync, keyed by the exact head)."""
+    async with two_hosts() as (a, b):
+        _, fetcher = chained_stores(a, b)
+        hostile = Hostile(a, forged_delta(hashlib.sha256(b"nothing 0").digest(), 1), {})
+        for i in range(1, 4):
+            with trio.fail_after(TIMEOUT_S):
+                await fetcher.sync_once([a.peer_id], lambda h: True)
+            hostile.resign(forged_delta(hashlib.sha256(f"nothing {i}".encode()).digest(), 1))
+        assert hostile.gets == 2 and 1 not in fetcher.held
+
+
+async def test_a_delta_whose_depth_lies_about_its_place_after_a_held_version_is_refused() -> None:
+    """A holder of the keyframe K, offered a delta naming K with depth 5 (not 1): the chain
+    it keeps does not start at K, so decoding refuses it (cached holders took it before,
+    fresh ones refused it: the same version judged two ways)."""
+    versions = owner_versions(2)
+    keyframe = versions[0][0]
+    async with two_hosts() as (a, b):
+        owner, fetcher = chained_stores(a, b)
+        owner.publish(SEED_A, 1, 0, keyframe)
+        with trio.fail_after(TIMEOUT_S):
+            await fetcher.sync_once([a.peer_id], lambda h: True)
+        assert fetcher.held[1].versions() == (keyframe,)
+        liar = forged_delta(hashlib.sha256(keyframe).digest(), 5)
+        Hostile(a, liar, {})
+        with trio.fail_after(TIMEOUT_S):
+            await fetcher.sync_once([a.peer_id], lambda h: True)
+        held = fetcher.held[1]
+        assert held.versions() == (liar,)  # not (keyframe, liar)
+        with pytest.raises(ValueError):
+            SPARSE.decode_chain(held.versions(), NUMEL)
+    public = SPARSE.decode_chain([keyframe], NUMEL)
+    with pytest.raises(ValueError, match="one deeper"):
+        SPARSE.decode_chain([liar], NUMEL, base=public, base_depth=0)
+    honest = versions[1][0]
+    assert np.array_equal(
+        SPARSE.decode_chain([honest], NUMEL, base=public, base_depth=0), SPARSE.decode_chain([keyframe, honest], NUMEL)
+    )
 
 
 async def test_a_chain_longer_than_a_chain_may_be_is_walked_no_further_and_refused() -> None:

@@ -14,9 +14,10 @@ from training.models import GPT, GPTConfig, preset
 from training.settings import InnerConfig, OuterConfig, SpesConfig
 from training.spes import (
     EXPERT_BOUND,
+    HONEST_UPDATE_RATIO,
     MAX_ROUNDS_APART,
     SpesTrainer,
-    chain_lag_rounds,
+    chain_lag_slack,
     check_version,
     merge,
     merge_rate,
@@ -148,37 +149,38 @@ def test_an_honest_int8_version_is_taken_however_small_its_update(update: float)
 
 def test_an_honest_chain_version_is_taken_and_the_lag_is_what_it_takes() -> None:
     """Under sparseloco a version is a keyframe or a delta against the one before: the public
-    copy trails its owner by what was not sent yet (training/spes.py ``chain_lag_rounds``).
-    The owner moves the largest honest update a round (EXPERT_BOUND × our reference), always
-    the same way (error feedback's worst case: the residual builds up over the chain); every
-    pair of its versions, from a holder of an earlier one, is taken; and a holder of the
-    chain's deepest delta is refused the next keyframe without the chain's lag."""
+    copy trails its owner by what was not sent yet (training/spes.py ``chain_lag_slack``).
+    The owner moves the largest honest update a round (HONEST_UPDATE_RATIO × our
+    reference), always the same way (error feedback's worst case: the residual builds up
+    over the chain); every pair of its versions, from a holder of an earlier one, is taken;
+    a version just past the widened bound, or 1000× its weights, is refused."""
     sparse = expert_versions("sparseloco")
     numel = 4 * 4096
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(numel) * 0.02).astype(np.float32)
     direction = np.sign(rng.standard_normal(numel)).astype(np.float32) * np.float32(1e-3)
     reference = 1.0
-    step = (EXPERT_BOUND * reference / np.linalg.norm(direction)).astype(np.float32) * direction
+    step = (HONEST_UPDATE_RATIO * reference / np.linalg.norm(direction)).astype(np.float32) * direction
     chain = None
     versions = []
-    for _ in range(sparse.chain + 1):
+    for _ in range(2 * sparse.chain + 1):
         x = (x + step).astype(np.float32)
         _, chain = sparse.encode_next(x.tobytes(), chain)
         assert chain is not None
         versions.append(torch.from_numpy(chain.public.copy()))
-    lag = chain_lag_rounds(sparse.chain)
-    assert lag == 2 * (sparse.chain - 1) and chain_lag_rounds(expert_versions("int8").chain) == 0
+    lag = chain_lag_slack(sparse.chain, reference)
+    assert lag == 2 * (sparse.chain - 1) * HONEST_UPDATE_RATIO and chain_lag_slack(1, reference) == 0
     for a, held in enumerate(versions):
-        slack = rounding_slack(held, sparse.block, sparse.chain)
+        slack = rounding_slack(held, sparse.block, sparse.chain) + lag
         for b in range(a + 1, len(versions)):
-            apart = min(b - a, MAX_ROUNDS_APART) + lag
+            apart = min(b - a, MAX_ROUNDS_APART)
             assert check_version(versions[b], held, reference=reference, rounds_apart=apart, slack=slack) is None
-    deepest, keyframe = versions[-2], versions[-1]
-    slack = rounding_slack(deepest, sparse.block)
-    assert check_version(keyframe, deepest, reference=reference, rounds_apart=1, slack=slack) is not None
-    # A version 1000× its weights is refused all the same.
-    assert check_version(deepest * 1000, deepest, reference=reference, rounds_apart=1 + lag, slack=slack) is not None
+    held = versions[-1]
+    slack = rounding_slack(held, sparse.block, sparse.chain) + lag
+    limit = EXPERT_BOUND * reference * 2 + slack  # one round apart
+    past = held + torch.from_numpy(direction) * (1.01 * limit / float(np.linalg.norm(direction)))
+    assert check_version(past, held, reference=reference, rounds_apart=1, slack=slack) is not None
+    assert check_version(held * 1000, held, reference=reference, rounds_apart=1, slack=slack) is not None
 
 
 def test_a_trainer_of_a_compressed_run_widens_its_bound_by_the_rounding_only() -> None:

@@ -84,18 +84,24 @@ def _shared_params(model: GPT) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if expert_index(name) is None]
 
 
-def chain_lag_rounds(chain: int) -> int:
-    """Rounds of updates added to the rounds between two versions where versions travel in
-    chains of ``chain`` (training/encodings/experts.py ``Sparse``): 0 for versions that stand
+# An honest owner's update a round, at most, in our reference's units (our own update,
+# scaled to the expert's size): NoLoCo's Δ ratio between honest nodes measured 1.74
+# (training/noloco.py PartnerBounds), and honest versions here at most 0.053 of the bound.
+HONEST_UPDATE_RATIO = 2.0
+
+
+def chain_lag_slack(chain: int, reference: float) -> float:
+    """What versions in chains of ``chain`` (training/encodings/experts.py ``Sparse``) may
+    trail their owner's weights by, both sides together, in ‖·‖; 0 for versions that stand
     alone. Derivation: a delta version is x̂ = x − e, the owner's weights less what was not
     sent yet; a delta sends C(v) of v = x − x̂_before, and C (top-k per chunk, each half's
     mean) is an orthogonal projection, so ‖e_after‖ = ‖v − C(v)‖ ≤ ‖v‖ ≤ ‖e_before‖ + ‖u‖,
     u the owner's update that round. From the keyframe (e its int8 rounding, in
     ``rounding_slack``) through at most chain − 1 deltas, ‖e‖ ≤ rounding + (chain − 1)·U,
-    U the largest honest update a round, which ``check_version``'s bound takes to be
-    EXPERT_BOUND × our reference. Two versions are ‖x̂_b − x̂_a‖ ≤ ‖x_b − x_a‖ + ‖e_a‖ + ‖e_b‖
-    apart: chain − 1 rounds more on each side."""
-    return 2 * (chain - 1)
+    U an honest update a round (``HONEST_UPDATE_RATIO`` × our reference: not the bound's
+    EXPERT_BOUND ×, which would count its margin twice and let a version move 8× further
+    a round). Two versions are ‖x̂_b − x̂_a‖ ≤ ‖x_b − x_a‖ + ‖e_a‖ + ‖e_b‖ apart."""
+    return 2 * (chain - 1) * HONEST_UPDATE_RATIO * reference
 
 
 def rounding_slack(held: torch.Tensor, block: int | None, chain: int = 1) -> float:
@@ -107,7 +113,7 @@ def rounding_slack(held: torch.Tensor, block: int | None, chain: int = 1) -> flo
     the rounding: at ~3e-6 a value a round from the exact genesis copy (a second reader's
     probe, N(0, 0.02) weights). 0 where versions travel exactly (``block`` None).
 
-    ``chain``: versions in a chain (``chain_lag_rounds``); each of its chain − 1 deltas
+    ``chain``: versions in a chain (``chain_lag_slack``); each of its chain − 1 deltas
     adds in float32, rounding each value by at most 2⁻²⁴ of itself, on each side: 2⁻²³ ×
     the copy's norm a delta, which is ours with a factor 2 for the other side's copy (a
     version twice our norm away is ‖held‖ off, refused unless the bound allows far more)."""
@@ -292,8 +298,8 @@ class SpesTrainer(Trainer):
         # The daemon takes versions of rounds up to 16 past ours; the bound grows with the
         # rounds between two versions only up to MAX_ROUNDS_APART, whatever round is claimed.
         apart = min(version_round - self.held_rounds[expert], MAX_ROUNDS_APART)
-        apart += chain_lag_rounds(self.version_chain)  # what a chain's versions may trail their owner by
         slack = rounding_slack(held, self.version_block, self.version_chain)
+        slack += chain_lag_slack(self.version_chain, reference)  # what a chain's versions may trail their owner by
         refusal = check_version(new, held, reference=reference, rounds_apart=apart, slack=slack)
         if refusal is None:
             # Honest versions' share of the bound, for the worker log (docs/training.md).

@@ -52,7 +52,7 @@ float32's range.
 
 Why CHAIN = 8: bytes per version average (1 + 7 × 0.19) / 8 = 0.29 of int8's (16: 0.24;
 4: 0.39), while a version may trail its owner's weights by up to CHAIN − 1 rounds of
-updates, which the worker's bound allows for (training/spes.py ``chain_lag_rounds``): a
+updates, which the worker's bound allows for (training/spes.py ``chain_lag_slack``): a
 longer chain loosens that bound further for fewer bytes saved.
 """
 
@@ -113,10 +113,13 @@ class ExpertVersions(Protocol):
         its next version and the chain after it (None where versions stand alone)."""
         ...
 
-    def decode_chain(self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None) -> np.ndarray:
+    def decode_chain(
+        self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None, base_depth: int = 0
+    ) -> np.ndarray:
         """A chain's versions in order → the newest's float32 values. ``wires[0]`` is a
         keyframe, or (``base`` given: the public copy of the version it names, which the
-        caller matched by sha256) a delta; each later one must name the one before it.
+        caller matched by sha256, ``base_depth`` deltas past its keyframe) a delta one
+        deeper; each later one must name the one before it, one deeper again.
         ``ValueError`` if anything does not fit; the result is finite (or, float32, as sent:
         the worker checks)."""
         ...
@@ -156,7 +159,9 @@ class _Standalone:
     def encode_next(self, data: bytes, chain: Chain | None) -> tuple[bytes, Chain | None]:
         return self.encode(data), None
 
-    def decode_chain(self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None) -> np.ndarray:
+    def decode_chain(
+        self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None, base_depth: int = 0
+    ) -> np.ndarray:
         if len(wires) != 1 or base is not None:
             raise ValueError("these versions stand alone: a chain of one")
         return np.frombuffer(self.decode(wires[0], numel), dtype="<f4")
@@ -261,22 +266,25 @@ class Sparse:
 
     def encode_next(self, data: bytes, chain: Chain | None) -> tuple[bytes, Chain]:
         values = np.frombuffer(data, dtype="<f4")
-        if chain is None or chain.depth + 1 >= CHAIN or not np.isfinite(values).all():
-            # A new chain (a non-finite expert goes as a keyframe, whose scales say so).
-            wire = self.encode(data)
-            sha256 = hashlib.sha256(wire).digest()
+        if chain is not None and chain.depth + 1 < CHAIN and np.isfinite(values).all():
+            with np.errstate(all="ignore"):
+                difference = (values - chain.public).astype(np.float32)
+            depth = chain.depth + 1
+            wire = bytes([DELTA, depth]) + chain.sha256 + topk.encode(difference)
             try:
-                public = np.frombuffer(self._int8.decode(wire[1:], len(values)), dtype="<f4")
-            except ValueError:  # refused by every holder: the next version is a keyframe again
-                return wire, Chain(np.zeros(len(values), dtype="<f4"), sha256, CHAIN - 1)
-            return wire, Chain(public, sha256, 0)
-        with np.errstate(all="ignore"):
-            difference = (values - chain.public).astype(np.float32)
-        depth = chain.depth + 1
-        wire = bytes([DELTA, depth]) + chain.sha256 + topk.encode(difference)
-        # x̂ moves by the decoded delta, as every holder's does (the same code, the same bits).
-        public = self._apply(chain.public, wire, len(values))
-        return wire, Chain(public, hashlib.sha256(wire).digest(), depth)
+                # x̂ moves by the decoded delta, as every holder's does (the same code, the same bits).
+                public = self._apply(chain.public, wire, len(values))
+                return wire, Chain(public, hashlib.sha256(wire).digest(), depth)
+            except ValueError:
+                pass  # a delta no holder would take (finite weights, a difference past float32's range): a keyframe
+        # A new chain (a non-finite expert goes as a keyframe, whose scales say so).
+        wire = self.encode(data)
+        sha256 = hashlib.sha256(wire).digest()
+        try:
+            public = np.frombuffer(self._int8.decode(wire[1:], len(values)), dtype="<f4")
+        except ValueError:  # refused by every holder: the next version is a keyframe again
+            return wire, Chain(np.zeros(len(values), dtype="<f4"), sha256, CHAIN - 1)
+        return wire, Chain(public, sha256, 0)
 
     def _apply(self, public: np.ndarray, wire: bytes, numel: int) -> np.ndarray:
         chunks = topk.chunk_sizes(numel)
@@ -290,12 +298,14 @@ class Sparse:
             raise ValueError("a delta takes the expert past float32's range")
         return out
 
-    def decode_chain(self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None) -> np.ndarray:
+    def decode_chain(
+        self, wires: Sequence[bytes], numel: int, *, base: np.ndarray | None = None, base_depth: int = 0
+    ) -> np.ndarray:
         if not 1 <= len(wires) <= CHAIN:
             raise ValueError(f"a chain holds 1..{CHAIN} versions, got {len(wires)}")
         links = [self.link(wire, numel) for wire in wires]
-        if base is not None and (links[0][1] is None or len(base) != numel):
-            raise ValueError("a chain from a base starts with a delta of its size")
+        if base is not None and (links[0][1] is None or len(base) != numel or links[0][0] != base_depth + 1):
+            raise ValueError("a chain from a base starts with a delta of its size, one deeper than the base")
         public = base
         for index, (wire, (depth, named)) in enumerate(zip(wires, links, strict=True)):
             if named is None:

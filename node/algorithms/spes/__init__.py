@@ -189,8 +189,14 @@ class Spes(Noloco):
             lambda: [self.versions.encode_next(data, chain) for data, chain in zip(raw, chains, strict=True)]
         )
         self._chains = {}
-        for expert, (data, chain) in zip(owned, encoded, strict=True):
-            self.store.publish(self.ctx.identity_seed, expert, round_index, data)
+        for expert, weights, (data, chain) in zip(owned, raw, encoded, strict=True):
+            try:
+                self.store.publish(self.ctx.identity_seed, expert, round_index, data)
+            except ValueError:
+                # A fetch replaced our newest version of it while we encoded (a hand-over
+                # under way): the delta has no base here now; a new chain instead.
+                data, chain = await trio.to_thread.run_sync(self.versions.encode_next, weights, None)
+                self.store.publish(self.ctx.identity_seed, expert, round_index, data)
             self._worker_rounds[expert] = round_index
             if chain is not None:
                 self._chains[expert] = chain
@@ -209,14 +215,15 @@ class Spes(Noloco):
                 continue  # the worker trained it this round (or it is our own): its copy is the newest
             if held.head.round <= self._worker_rounds[expert]:
                 continue
-            versions, base = held.versions(), None
+            versions, base, base_depth = held.versions(), None, 0
             cached = self._public.pop(expert, None)
             at = None if cached is None else held.find(cached[0])
             if cached is not None and at is not None and at + 1 < len(versions):
-                versions, base = versions[at + 1 :], cached[1]  # what we decoded last, and the deltas since
+                # What we decoded last (``at`` deltas past the chain's keyframe), and the deltas since.
+                versions, base, base_depth = versions[at + 1 :], cached[1], at
             try:  # off the event loop, as encoding is
                 values = await trio.to_thread.run_sync(
-                    partial(self.versions.decode_chain, versions, self.expert_numel, base=base)
+                    partial(self.versions.decode_chain, versions, self.expert_numel, base=base, base_depth=base_depth)
                 )
             except ValueError as exc:  # signed by its owner (each version back to the keyframe): its own doing
                 self.versions_refused += 1
@@ -225,7 +232,8 @@ class Spes(Noloco):
                 await self.ctx.host.punish(held.head.owner, f"expert version refused: {exc}", points=BAN_POINTS)
                 banned = True
                 continue
-            self._public[expert] = (held.head.sha256, values)
+            if self.versions.chain > 1:  # only a chain's next delta needs it (a float32 copy an expert)
+                self._public[expert] = (held.head.sha256, values)
             self._block.buf[expert * nbytes : (expert + 1) * nbytes] = values.tobytes()
             swaps.append([expert, held.head.round])
             self._swapped[expert] = held.head
