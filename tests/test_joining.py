@@ -193,6 +193,41 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
         assert joiner.service.download is None  # the progress of a fetch ends with it
 
 
+@pytest.mark.integration
+async def test_a_starting_node_asks_whether_anyone_is_ahead_without_waiting_on_a_silent_peer(tmp_path: Path) -> None:
+    """One peer that never answers (behind a NAT, not yet directly connected: it kept three
+    of four nodes 10 s, the header's timeout, while the fourth started 14 s ahead of
+    them): a peer offering a state answers it at once; with none, the ask ends after
+    AHEAD_ASK_S, well inside the header's timeout."""
+    from node.algorithms import joining, savedstate
+    from protocol.net.host import Stream, open_host, parse_dial_addr
+
+    assert joining.AHEAD_ASK_S <= savedstate.HEADER_TIMEOUT_S / 2
+    saved = tmp_path / "worker.ckpt"
+    saved.write_bytes(b"state of round 4 " * 100)
+
+    async def silent(stream: Stream) -> None:
+        await trio.sleep_forever()
+
+    def host(seed: int) -> Any:
+        return open_host(identity_seed=bytes([seed]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+
+    async with host(1) as ahead, host(2) as quiet, host(3) as fresh, host(4) as asker:
+        (tmp_path / "a").mkdir()
+        offers = StateOffers(ahead, "run", tmp_path / "a")
+        offers.register()
+        await offers.offer(saved, 4)
+        StateOffers(fresh, "run", None).register()  # at round 0: offers nothing
+        quiet.set_handler(joining.PROTOCOL_ID, silent, deadline_s=600)
+        for other in (ahead, quiet, fresh):
+            await asker.connect(parse_dial_addr(other.addrs()[0]), timeout_s=5)
+        states = StateOffers(asker, "run", None)
+        with trio.fail_after(savedstate.HEADER_TIMEOUT_S / 2):
+            assert await states.anyone_ahead([quiet.peer_id, ahead.peer_id]) is True
+        with trio.fail_after(joining.AHEAD_ASK_S + savedstate.HEADER_TIMEOUT_S / 4):  # not the header's 10 s
+            assert await states.anyone_ahead([quiet.peer_id, fresh.peer_id]) is False
+
+
 # A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ
 # ratios reach 1.74, so ≥ 16 for most tensors) and within the attack margin of 128 (at most
 # 30 × 1.74 + the honest gap of 3.7): refused as a replica that drifted, not as an attack.

@@ -49,6 +49,12 @@ KEEP_OFFERED = 2
 BOUNDARY_POLL_S = 0.25
 BOUNDARY_WAIT_S = 300.0
 WATCHED = 3
+# How long a starting node asks its peers whether one is past round 0 (the first to offer
+# a state answers it at once). Not the header's 10 s: in `simulate --topology nat` three of
+# four nodes waited that long on the one they had no direct connection to yet while it,
+# answered at once, started 14 s ahead of them; it stayed 2-3 rounds ahead, alone in 10 of
+# 10 rounds (2 runs of 5). A header takes milliseconds from a peer that can answer.
+AHEAD_ASK_S = 5.0
 
 
 def vouched_round(rounds: list[int]) -> int | None:
@@ -127,8 +133,30 @@ class StateOffers:
         return heads
 
     async def anyone_ahead(self, partners: list[str]) -> bool:
-        """Whether any of these peers offers a round's state (it is past round 0)."""
-        return bool(await self._heads(partners))
+        """Whether any of these peers offers a round's state (it is past round 0): as soon
+        as one does; False once the others answered, or after ``AHEAD_ASK_S`` (a peer that
+        cannot answer that soon is taken to start with us; if it was ahead after all, our
+        rounds skip to its and a drifted replica resyncs: NoLoCo's pairing)."""
+        ahead = False
+        with trio.move_on_after(AHEAD_ASK_S) as bound:
+
+            async def ask(peer_id: str) -> None:
+                nonlocal ahead
+                try:
+                    head = await self.service.head(peer_id)
+                except ProtocolError as exc:
+                    logger.info("no state header from %s: %s", peer_id, exc)
+                    return
+                if head is not None:
+                    ahead = True
+                    bound.cancel()
+
+            async with trio.open_nursery() as nursery:
+                for peer_id in partners:
+                    nursery.start_soon(ask, peer_id)
+        if bound.cancelled_caught and not ahead:
+            logger.info("asked whether anyone is past round 0: not all answered in %.0f s; starting", AHEAD_ASK_S)
+        return ahead
 
     async def join(self, partners: list[str], dest: Path, *, last_round: int) -> Path | None:
         """Fetch the state of the run's current round into ``dest``, right after its peers'
