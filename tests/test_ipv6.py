@@ -137,4 +137,11 @@ async def test_nodes_listening_on_ipv6_only_train_together(short_tmp: Path) -> N
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=240)
         for node, other in ((first, second), (second, first)):
             assert node.host is not None and node.host.direct_ip(other.peer_id) == "::1"
-            assert node.training is not None and node.training.metrics.rounds_with_partner >= 1
+            status = node.training.status() if node.training else None
+            seen = None if status is None else {k: status.get(k) for k in ("rounds", "start_round", "joined_from")}
+            # Failed once in a full run of the suite (0 rounds with a partner, no more said):
+            # what each node's training did, for next time.
+            assert node.training is not None and node.training.metrics.rounds_with_partner >= 1, (
+                seen,
+                node.training.metrics.loss_curve if node.training else None,
+            )
