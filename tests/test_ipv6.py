@@ -3,6 +3,7 @@ IPv6 as over IPv4 (a channel on both families has one port for both)."""
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -122,7 +123,30 @@ async def test_tensors_take_the_data_channel_over_ipv6_and_ipv4_on_one_port() ->
 
 @pytest.mark.integration
 @needs_v6
-async def test_nodes_listening_on_ipv6_only_train_together(short_tmp: Path) -> None:
+async def test_nodes_listening_on_ipv6_only_train_together(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both pair over IPv6. Neither pairs before both workers are ready: once in a full run
+    of the suite one node had no partner in the run's 3 micro rounds (suspected: the
+    second's worker started more than the first's pairing bound later, so the first trained
+    alone and the second joined at the end; not reproduced in 14 runs)."""
+    from node.algorithms.noloco import Noloco
+    from node.algorithms.noloco.pairing import Pairing
+
+    ready_ids: set[str] = set()
+    both_ready = trio.Event()
+    ready_before, find = Noloco.ready, Pairing.find_partner
+
+    def ready(self: Noloco, worker: Any) -> None:
+        ready_before(self, worker)
+        ready_ids.add(self.ctx.host.peer_id)
+        if len(ready_ids) == 2:
+            both_ready.set()
+
+    async def held(self: Pairing, *args: Any, **kwargs: Any) -> Any:
+        await both_ready.wait()
+        return await find(self, *args, **kwargs)
+
+    monkeypatch.setattr(Noloco, "ready", ready)
+    monkeypatch.setattr(Pairing, "find_partner", held)
     v6 = {"network__listen": ["/ip6/::1/tcp/0"]}
     async with open_swarm(short_tmp) as swarm:
         boot = await swarm.start("boot", role="bootstrap", **v6)
@@ -139,8 +163,7 @@ async def test_nodes_listening_on_ipv6_only_train_together(short_tmp: Path) -> N
             assert node.host is not None and node.host.direct_ip(other.peer_id) == "::1"
             status = node.training.status() if node.training else None
             seen = None if status is None else {k: status.get(k) for k in ("rounds", "start_round", "joined_from")}
-            # Failed once in a full run of the suite (0 rounds with a partner, no more said):
-            # what each node's training did, for next time.
+            # What each node's training did, if this fails.
             assert node.training is not None and node.training.metrics.rounds_with_partner >= 1, (
                 seen,
                 node.training.metrics.loss_curve if node.training else None,
