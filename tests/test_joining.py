@@ -91,8 +91,8 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str]) -> No
         if trainers and self.ctx.host.peer_id not in trainers:
             started.set()
 
-    async def heads_asked(self: StateOffers, partners: list[str]) -> dict[str, int]:
-        offered = await heads(self, partners)
+    async def heads_asked(self: StateOffers, partners: list[str], **kwargs: Any) -> dict[str, int]:
+        offered = await heads(self, partners, **kwargs)
         if offered and id(self) in joining:
             asked.set()
         return offered

@@ -114,20 +114,23 @@ class StateOffers:
                 gathered.append((peer_id, dest, offer.round))
         return gathered
 
-    async def _heads(self, partners: list[str]) -> dict[str, int]:
-        """The round each peer offers (those that answer and offer one)."""
+    async def _heads(self, partners: list[str], *, first: bool = False) -> dict[str, int]:
+        """The round each peer offers (those that answer and offer one); ``first``: only
+        until one offers."""
         heads: dict[str, int] = {}
-
-        async def ask(peer_id: str) -> None:
-            try:
-                head = await self.service.head(peer_id)
-            except ProtocolError as exc:
-                logger.info("no state header from %s: %s", peer_id, exc)
-                return
-            if head is not None:
-                heads[peer_id] = head.round
-
         async with trio.open_nursery() as nursery:
+
+            async def ask(peer_id: str) -> None:
+                try:
+                    head = await self.service.head(peer_id)
+                except ProtocolError as exc:
+                    logger.info("no state header from %s: %s", peer_id, exc)
+                    return
+                if head is not None:
+                    heads[peer_id] = head.round
+                    if first:
+                        nursery.cancel_scope.cancel()
+
             for peer_id in partners:
                 nursery.start_soon(ask, peer_id)
         return heads
@@ -137,26 +140,12 @@ class StateOffers:
         as one does; False once the others answered, or after ``AHEAD_ASK_S`` (a peer that
         cannot answer that soon is taken to start with us; if it was ahead after all, our
         rounds skip to its and a drifted replica resyncs: NoLoCo's pairing)."""
-        ahead = False
+        heads: dict[str, int] = {}
         with trio.move_on_after(AHEAD_ASK_S) as bound:
-
-            async def ask(peer_id: str) -> None:
-                nonlocal ahead
-                try:
-                    head = await self.service.head(peer_id)
-                except ProtocolError as exc:
-                    logger.info("no state header from %s: %s", peer_id, exc)
-                    return
-                if head is not None:
-                    ahead = True
-                    bound.cancel()
-
-            async with trio.open_nursery() as nursery:
-                for peer_id in partners:
-                    nursery.start_soon(ask, peer_id)
-        if bound.cancelled_caught and not ahead:
+            heads = await self._heads(partners, first=True)
+        if bound.cancelled_caught:  # nobody offered by then (the first offer ends the asking)
             logger.info("asked whether anyone is past round 0: not all answered in %.0f s; starting", AHEAD_ASK_S)
-        return ahead
+        return bool(heads)
 
     async def join(self, partners: list[str], dest: Path, *, last_round: int) -> Path | None:
         """Fetch the state of the run's current round into ``dest``, right after its peers'
