@@ -14,6 +14,7 @@ run into an attacker; nothing here ships in the daemon itself.
     equivocation(d)             ZO: another signed batch for its sequence numbers 0…H-1
 """
 
+import hashlib
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +29,7 @@ from node.algorithms.zo.rounds import ZoRounds
 from node.daemon import Daemon
 from protocol.runstate.state import LeaseRecord, sign_lease
 from training.encodings import topk
-from training.encodings.experts import DELTA
+from training.encodings.experts import DELTA, Chain
 
 
 async def pairing_of(daemon: Daemon) -> Pairing:
@@ -91,18 +92,15 @@ async def spes_of(daemon: Daemon) -> Spes:
 async def poison_experts(daemon: Daemon, scale: float) -> None:
     spes = await spes_of(daemon)
     store, versions = spes.store, spes.versions
+    if versions.chain > 1:
+        # Chained versions (sparseloco): every delta's magnitudes scaled, its keyframes left
+        # honest; its chain goes on from the poisoned bytes (as a modified build's would),
+        # so each version after a keyframe is a poisoned delta.
+        spes.versions = _PoisonedDeltas(spes, versions, scale)
+        return
     publish = store.publish
 
     def poisoned(seed: bytes, expert: int, round_index: int, data: bytes) -> Any:
-        if versions.chain > 1:
-            # Chained versions (sparseloco): its deltas' magnitudes scaled, its keyframes left
-            # honest (a delta's values are its chunks' magnitudes with signs).
-            if data[:1] != bytes([DELTA]):
-                return publish(seed, expert, round_index, data)
-            at = len(data) - 8 * len(topk.chunk_sizes(spes.expert_numel))
-            with np.errstate(all="ignore"):
-                magnitudes = (np.frombuffer(data[at:], dtype="<f4") * np.float32(scale)).astype("<f4")
-            return publish(seed, expert, round_index, data[:at] + magnitudes.tobytes())
         # As the run's versions travel (int8: a NaN scale stays NaN; huge values, huge scales).
         values = np.frombuffer(versions.decode(data, spes.expert_numel), dtype=np.float32)
         with np.errstate(all="ignore"):
@@ -110,6 +108,27 @@ async def poison_experts(daemon: Daemon, scale: float) -> None:
         return publish(seed, expert, round_index, versions.encode(scaled.tobytes()))
 
     store.publish = poisoned  # type: ignore[method-assign]
+
+
+class _PoisonedDeltas:
+    """One daemon's expert versions, each delta's magnitudes × scale (a delta's values are its
+    chunks' magnitudes with signs); the chain it returns names the poisoned bytes."""
+
+    def __init__(self, spes: Spes, versions: Any, scale: float) -> None:
+        self._spes, self._versions, self._scale = spes, versions, scale
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._versions, name)
+
+    def encode_next(self, data: bytes, chain: Chain | None) -> tuple[bytes, Chain | None]:
+        wire, next_chain = self._versions.encode_next(data, chain)
+        if wire[:1] != bytes([DELTA]) or next_chain is None:
+            return wire, next_chain
+        at = len(wire) - 8 * len(topk.chunk_sizes(self._spes.expert_numel))  # known once its worker is up
+        with np.errstate(all="ignore"):
+            magnitudes = (np.frombuffer(wire[at:], dtype="<f4") * np.float32(self._scale)).astype("<f4")
+        wire = wire[:at] + magnitudes.tobytes()
+        return wire, replace(next_chain, sha256=hashlib.sha256(wire).digest())
 
 
 async def fight_for_leases(daemon: Daemon) -> None:
