@@ -25,6 +25,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import ipaddress
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -801,7 +802,7 @@ def _signed_batch_into_log(raw: bytes) -> object:
 
 ALL_TYPES = frozenset(
     {"hb", "update", "bye", "zo", "info?", "info", "sync", "diff", "error", "tensors", "go", "ack"}
-    | {"pair?", "accept", "busy", "dialback?", "dialback", "ckpt?", "ckpt", "none", "want", "batches", "f"}
+    | {"pair?", "accept", "busy", "dialback?", "dialback", "seen", "ckpt?", "ckpt", "none", "want", "batches", "f"}
 )
 
 
@@ -924,11 +925,17 @@ def _dialback_answer_seeds() -> list[bytes]:
         _frame("dialback", dialback.VERSION, {"ok": [4001], "ip": "203.0.113.5"}),
         _frame("dialback", dialback.VERSION, {"ok": [], "ip": ""}),
         _frame("dialback", dialback.VERSION, {"ok": [], "ip": "", "refused": "asked too often"}),
+        _frame("seen", dialback.VERSION, {"ip": "203.0.113.5"})
+        + _frame("dialback", dialback.VERSION, {"ok": [], "ip": "203.0.113.5"}),
     ]
 
 
 def _dialback_ask(raw: bytes) -> object:
-    answer = _run(dialback.ask, _FakeHost(raw), PEER_X, [4001, 4002])
+    """With the early word of where the server sees us (its IP checked before we hear it)."""
+    seen: list[str] = []
+    answer = _run(partial(dialback.ask, on_seen=seen.append), _FakeHost(raw), PEER_X, [4001, 4002])
+    for ip in seen:
+        ipaddress.ip_address(ip)  # raises (a crash, to the fuzzer) if ask passed on a non-IP
     if answer is None:
         raise _NoVerdict
     return answer
@@ -938,6 +945,7 @@ def _dialback_request_seeds() -> list[bytes]:
     return [
         _frame("dialback?", dialback.VERSION, {"ports": [4001, 4002]}),
         _frame("dialback?", dialback.VERSION, {"ports": [65535]}),
+        _frame("dialback?", dialback.VERSION, {"ports": [4001], "seen": True}),
     ]
 
 

@@ -187,6 +187,73 @@ async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_reques
                 await ask(client, server, bad)
 
 
+async def test_a_dial_back_server_says_where_it_sees_us_before_it_dials_only_when_asked() -> None:
+    policy = nat.NatPolicy(reachability="public", hole_punch=False)
+    async with host(17, policy) as server, host(18, policy) as client:
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        stream = await client.open_stream(server.peer_id, dialback.PROTOCOL_ID, timeout_s=5)
+        with trio.fail_after(15):
+            await wire.send(stream, "dialback?", dialback.VERSION, {"ports": [port], "seen": True})
+            kinds = frozenset({"seen", "dialback"})
+            first = await wire.receive(stream, msg_types=kinds, version=dialback.VERSION, max_nbytes=1024)
+            second = await wire.receive(stream, msg_types=kinds, version=dialback.VERSION, max_nbytes=1024)
+        assert (first["t"], first["ip"]) == ("seen", "127.0.0.1")
+        assert (second["t"], second["ok"], second["ip"]) == ("dialback", [], "127.0.0.1")
+        # Not asked for (an older asker's request, as test_dial_back_reports_... sends): the verdict alone.
+
+
+def seen_then_no_verdict(ip: str) -> object:
+    """A dial-back handler that says it sees the asker on ``ip``, then refuses (no verdict:
+    as a NAT's dropped SYNs leave it, seconds before its timeout)."""
+
+    async def handler(stream: Stream) -> None:
+        request = await wire.receive(
+            stream, msg_types=frozenset({"dialback?"}), version=dialback.VERSION, max_nbytes=1024
+        )
+        assert request["seen"] is True
+        await wire.send(stream, "seen", dialback.VERSION, {"ip": ip})
+        await wire.send(stream, "dialback", dialback.VERSION, {"ok": [], "ip": "", "refused": "busy"})
+
+    return handler
+
+
+async def test_a_node_seen_on_an_ip_not_its_own_reserves_a_relay_slot_before_its_verdict_and_gives_it_up_when_public(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Behind a NAT that drops unsolicited SYNs only the dial-back's timeout gives the verdict
+    (3 s): the server's early word that a NAT rewrites our address reserves a slot at once.
+    Found public after all (a port forward), the node gives its slot up."""
+    monkeypatch.setattr(dialback, "COOLDOWN_S", 0.0)  # the relay is asked again for the verdict
+    async with host(19, RELAY) as relay, host(20, nat.NatPolicy(hole_punch=False)) as client:
+        relay.set_handler(dialback.PROTOCOL_ID, seen_then_no_verdict("203.0.113.9"))  # type: ignore[arg-type]
+        await client.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+        await wait_for(client.nat, lambda: relay.peer_id in client.nat.status.reservations)
+        assert client.nat.status.reachability == "unknown" and client.nat.status.translated == "203.0.113.9"
+        assert client.nat.status.timeline["translated"] <= client.nat.status.timeline["reserved"]
+        assert any(nat.is_circuit(a) for a in client.addrs())
+        # The relay's own dial-backs, from our bootstrap alone: public.
+        dialback.DialbackServer(relay).register()
+        client.nat.prefer([relay.peer_id])
+        await client.nat.check_reachability(client)
+        await wait_for(client.nat, lambda: client.nat.status.reachability == "public")
+        assert client.nat.status.reservations == {} and not any(nat.is_circuit(a) for a in client.addrs())
+        assert relay.peer_id not in {str(p) for p in client.nat._transport._reservations}  # libp2p renews it no more
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "not an ip"])
+async def test_a_server_seeing_us_on_our_own_ip_or_naming_no_ip_reserves_nothing(ip: str) -> None:
+    async with host(21, RELAY) as relay, host(22, nat.NatPolicy(hole_punch=False)) as client:
+        relay.set_handler(dialback.PROTOCOL_ID, seen_then_no_verdict(ip))  # type: ignore[arg-type]
+        await client.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+        assert await client.nat.check_reachability(client) == "unknown"
+        # Asked by this check or the reachability loop's, whichever came first (they share a lock).
+        assert client.nat.status.translated is None and "translated" not in client.nat.status.timeline
+        assert not client.nat._wants_relays()
+
+
 @pytest.mark.parametrize(
     "answer",
     [{"ok": [[1]], "ip": "127.0.0.1"}, {"ok": [], "ip": "not an ip"}, {"ok": "all", "ip": ""}, {"ok": list(range(9))}],
@@ -225,6 +292,18 @@ def test_retries_double_their_wait_and_stop_at_the_limit() -> None:
     assert now.take("q", 5.0) == 1 and not now.exhausted("q")
     now.forget("q")
     assert now.take("q", 5.0) == 1
+
+
+def test_a_refused_slot_is_asked_again_sooner_before_our_verdict_never_sooner_after_it() -> None:
+    hinted = [nat.reserve_retry_s(None, hinted=True)]
+    for _ in range(3):
+        hinted.append(nat.reserve_retry_s(hinted[-1], hinted=True))
+    assert hinted == [1.0, 2.0, 4.0, 8.0]
+    # Found private: the next wait is the usual one, doubling on to the limit.
+    assert nat.reserve_retry_s(2.0, hinted=False) == nat.RESERVE_RETRY_S
+    assert nat.reserve_retry_s(None, hinted=False) == nat.RESERVE_RETRY_S  # as before the hint
+    assert nat.reserve_retry_s(nat.RESERVE_RETRY_S, hinted=False) == 2 * nat.RESERVE_RETRY_S
+    assert nat.reserve_retry_s(nat.RESERVE_RETRY_MAX_S, hinted=False) == nat.RESERVE_RETRY_MAX_S
 
 
 def test_an_address_on_the_internet_is_told_from_a_private_one() -> None:

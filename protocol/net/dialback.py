@@ -3,13 +3,22 @@
 Protocol flow (``/swarmtrain/autonat/1.0.0``), one exchange per stream:
 
     asker                                          asked
-    {t: "dialback?", v: 1, ports: [port]}  ───────▶ opens a fresh TCP connection to the IP it
+    {t: "dialback?", v: 1, ports: [port],  ───────▶ (one request per peer per 10 s)
+     seen?: true}
+                                           ◀─────── {t: "seen", v: 1, ip: what it sees}, only
+                                                    if asked (``seen``), before it dials
+                                                    opens a fresh TCP connection to the IP it
                                                     sees the asker on (never another, so
                                                     nobody can aim it at a third party), at
-                                                    each port (1-4 of them; one request per
-                                                    peer per 10 s)
+                                                    each port (1-4 of them)
                                            ◀─────── {t: "dialback", v: 1, ok: [ports that
                                                      answered], ip: what it saw, refused?}
+
+``seen`` is early news for the asker: an IP that is none of its own says a NAT translates
+its address, seconds before a dial-back to a NAT's dropped SYNs times out
+(``DIALBACK_TIMEOUT_S``); protocol/net/nat.py reserves a relay slot on that hint. An asker
+that does not ask for it (an older one) gets the verdict alone, as before; one that asks a
+server that does not know it gets the verdict first, and reads it just the same.
 
 Why not libp2p's own AutoNAT service: in py-libp2p 0.8.1 its dial-back calls
 ``host.connect``, which returns at once when a connection to the asker exists, and the
@@ -20,6 +29,7 @@ protocol/net/nat.py's (``Nat.check_reachability``).
 
 import ipaddress
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -34,6 +44,8 @@ VERSION = 1
 MAX_FRAME_NBYTES = 1024
 MAX_PORTS = 4
 DIALBACK_TIMEOUT_S = 3.0
+# The longest IP text there is (IPv6 with an embedded IPv4), twice over.
+MAX_IP_CHARS = 2 * 45
 ASK_TIMEOUT_S = 2 * DIALBACK_TIMEOUT_S + 2.0
 # A peer may ask us to dial back at most this often (the dial-back costs us sockets).
 COOLDOWN_S = 10.0
@@ -71,6 +83,8 @@ class DialbackServer:
         if ip is None:
             await wire.send(stream, "dialback", VERSION, {"ok": [], "ip": "", "refused": "not a direct connection"})
             return
+        if request.get("seen") is True:
+            await wire.send(stream, "seen", VERSION, {"ip": ip})
         reached: list[int] = []
 
         async def try_port(port: int) -> None:
@@ -88,17 +102,29 @@ class DialbackServer:
         await wire.send(stream, "dialback", VERSION, {"ok": sorted(reached), "ip": ip})
 
 
-async def ask(host: DirectHostLike, server: str, ports: list[int]) -> tuple[bool, str | None] | None:
+async def ask(
+    host: DirectHostLike, server: str, ports: list[int], *, on_seen: Callable[[str], None] | None = None
+) -> tuple[bool, str | None] | None:
     """Ask ``server`` to dial us back on ``ports``: (reached, the IP it saw us on), or None
-    if it gave no verdict (unreachable, refused, or a malformed answer)."""
+    if it gave no verdict (unreachable, refused, or a malformed answer). ``on_seen`` is
+    called, before the verdict, with the IP the server sees us on, where it says so first."""
     try:
         with trio.fail_after(ASK_TIMEOUT_S):
             stream = await host.open_stream(server, PROTOCOL_ID, timeout_s=ASK_TIMEOUT_S)
             try:
-                await wire.send(stream, "dialback?", VERSION, {"ports": ports})
+                await wire.send(stream, "dialback?", VERSION, {"ports": ports, "seen": on_seen is not None})
                 reply = await wire.receive(
-                    stream, msg_types=frozenset({"dialback"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+                    stream, msg_types=frozenset({"seen", "dialback"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
                 )
+                if reply["t"] == "seen":
+                    seen = _ip(wire.get_str(reply, "ip", max_len=MAX_IP_CHARS))
+                    if seen is None:
+                        raise BadMessage("'seen' names no IP address")
+                    if on_seen is not None:
+                        on_seen(seen)
+                    reply = await wire.receive(
+                        stream, msg_types=frozenset({"dialback"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
+                    )
             finally:
                 await stream.close()
     except (ProtocolError, trio.TooSlowError) as exc:
@@ -117,9 +143,16 @@ async def ask(host: DirectHostLike, server: str, ports: list[int]) -> tuple[bool
     ):
         logger.info("dial-back answer from %s is malformed", server)
         return None
-    try:
-        seen_as = str(ipaddress.ip_address(ip)) if ip else None
-    except ValueError:
+    seen_as = _ip(ip) if ip else None
+    if ip and seen_as is None:
         logger.info("dial-back answer from %s names no IP address", server)
         return None
     return any(port in ports for port in ok), seen_as
+
+
+def _ip(text: str) -> str | None:
+    """``text`` as an IP address in its canonical form, or None if it is none."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None

@@ -37,6 +37,12 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
 - **Reservations**: a private node reserves a slot on up to ``WANTED_RELAYS`` relays among
   the peers it reached, and its addresses then include
   ``<relay addr>/p2p/<relay>/p2p-circuit``. Peers that cannot dial us directly dial that.
+  A node still ``unknown`` reserves too once a dial-back server said it sees us on an IP
+  that is none of ours (``NatStatus.translated``: a NAT rewrites our address), without
+  waiting for the verdict: behind a NAT that drops unsolicited SYNs, only the dial-back's
+  timeout (``dialback.DIALBACK_TIMEOUT_S``, 3 s) tells, and the hint comes within a round
+  trip. A wrong hint (a port forward, or a lying server) costs a relay slot until the
+  verdict: a node found public gives its slots up.
 
 - **DCUtR**: libp2p's ``DCUtRProtocol`` tries to hole-punch every relayed connection (both
   sides dial each other's observed address at once); a success leaves a direct connection
@@ -74,7 +80,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from protocol.errors import DialError
 from protocol.net import dialback
 from protocol.net import upnp as igd
-from protocol.net.addrs import ip_addr
+from protocol.net.addrs import ip_addr, local_ips, plain_ip
 from protocol.net.conns import parse_peer_id, remote_ip, socket_stream_of
 from protocol.net.hostlike import DirectHostLike
 
@@ -113,6 +119,11 @@ RESERVE_TIMEOUT_S = 8.0
 # A peer that refused a slot (most peers are not relays) is asked again after 30 s, then
 # doubling up to 30 min: its reachability may change, but asking often only costs both.
 RESERVE_RETRY_S = 30.0
+# The same while we reserve on a hint, before our verdict: a relay that started with us
+# has no verdict of its own yet either (it refuses until it knows it is public), so it is
+# asked again after 1 s, then doubling (every peer speaks the relay protocol, so this is
+# a few asks of each direct peer while our verdict takes, ~3 s).
+HINTED_RESERVE_RETRY_S = 1.0
 RESERVE_RETRY_MAX_S = 1800.0
 # Before falling back to a relay, how long a direct dial of a peer that has relay
 # addresses may take (a NAT drops our SYNs silently: only a timeout tells).
@@ -199,13 +210,16 @@ class NatStatus:
     """off, mapping, mapped, unmapped (stopping or renewal failed), or failed: <why>."""
     upnp_addr: str | None = None
     """The router's public address and port forwarded to us, while mapped."""
+    translated: str | None = None
+    """An IP a dial-back server saw us on that is none of ours (a NAT's), if one did."""
     first_direct_s: float | None = None
     """Seconds from start to the first direct connection to a peer we had reached only by relay."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Seconds from start to the first of each step on the way to a hole punch: ``asked``
-    (the first dial-back request), ``verdict`` (reachability decided), ``reserved`` (a relay
-    slot), ``relayed`` (a connection through a relay), ``punch`` (we started a hole punch on
-    one), ``direct`` (as ``first_direct_s``)."""
+    (the first dial-back request), ``translated`` (a server saw us on an IP not ours),
+    ``verdict`` (reachability decided), ``reserved`` (a relay slot), ``relayed`` (a
+    connection through a relay), ``punch`` (we started a hole punch on one), ``direct`` (as
+    ``first_direct_s``)."""
 
 
 def is_circuit(addr: str) -> bool:
@@ -633,7 +647,7 @@ class Nat:
             server_ip = host.direct_ip(server)
             if server_ip is None:  # the connection went relayed or away since we picked it
                 return
-            verdict = await dialback.ask(host, server, ports)
+            verdict = await dialback.ask(host, server, ports, on_seen=lambda ip: self._seen(host, ip))
             if verdict is not None:
                 answers.append((server, server_ip, *verdict))
 
@@ -661,9 +675,44 @@ class Nat:
             self.status.observed_ip = observed
             if reachability != "unknown":
                 self._mark("verdict")
+            if reachability == "public":
+                self._give_up_reservations()
             self.status.offering_relay = self._offering()
             self._notify()
         return reachability
+
+    def _seen(self, host: DirectHostLike, ip: str) -> None:
+        """A dial-back server sees us on ``ip`` (before its verdict): if that is none of our
+        addresses, a NAT translates them, and we reserve relay slots without waiting."""
+        try:
+            ip = str(plain_ip(ip))  # as ours are (an IPv4 address a dual-stack socket maps into IPv6)
+        except ValueError:
+            return
+        if self.status.translated is not None or ip in _our_ips(host):
+            return
+        logger.info("a peer sees us on %s, none of our addresses: behind a NAT, reserving relay slots now", ip)
+        self.status.translated = ip
+        self._mark("translated")
+        self._notify()
+
+    def _wants_relays(self) -> bool:
+        """Private, or not known yet while a server saw our address translated."""
+        reachability = self.status.reachability
+        return reachability == "private" or (reachability == "unknown" and self.status.translated is not None)
+
+    def _give_up_reservations(self) -> None:
+        """Found public: our relay slots go (their circuits leave our addresses, and libp2p
+        stops renewing them; the relay's slot lapses at its expiry)."""
+        if not self.status.reservations:
+            return
+        # libp2p's refresher renews what these hold (private: no public way to drop one).
+        renewed = [getattr(self._transport, name, None) for name in ("_reservations", "_reservation_proofs")]
+        for relay in list(self.status.reservations):
+            for table in renewed:
+                if isinstance(table, dict):
+                    table.pop(parse_peer_id(relay), None)
+            del self.status.reservations[relay]
+        logger.info("public: gave up our relay slots")
 
     async def _reachability_loop(self, host: DirectHostLike) -> None:
         """Checks at start, while unknown, when our addresses change, and every 10 min."""
@@ -678,6 +727,7 @@ class Nat:
                 if addrs and current != addrs:
                     logger.info("our addresses changed: checking reachability again")
                     self._verdicts.forget()
+                    self.status.translated = None
                 addrs = current
                 last_check = now
                 await self.check_reachability(host)
@@ -692,7 +742,7 @@ class Nat:
         while not self._stopped:
             news = self._news
             self._drop_lost_relays()
-            if self.status.reachability == "private" and len(self.status.reservations) < WANTED_RELAYS:
+            if self._wants_relays() and len(self.status.reservations) < WANTED_RELAYS:
                 for relay in self._relay_candidates():
                     await self.reserve(relay)
                     if len(self.status.reservations) >= WANTED_RELAYS:
@@ -747,8 +797,9 @@ class Nat:
         except (BaseLibp2pError, OSError, DialError, trio.TooSlowError) as exc:
             logger.debug("reservation on %s: %s", relay, exc)
         if not ok:
-            previous = self._reserve_failed.get(relay, (0.0, RESERVE_RETRY_S / 2))[1]
-            self._reserve_failed[relay] = (trio.current_time(), min(2 * previous, RESERVE_RETRY_MAX_S))
+            refused = self._reserve_failed.get(relay)
+            wait_s = reserve_retry_s(refused and refused[1], hinted=self.status.reachability == "unknown")
+            self._reserve_failed[relay] = (trio.current_time(), wait_s)
             return False
         self._reserve_failed.pop(relay, None)
         self.status.reservations[relay] = Reservation(relay, relay_addr, self._mark("reserved"))
@@ -787,9 +838,34 @@ class Nat:
             "reservations": {r.relay: r.circuit_addr for r in s.reservations.values()},
             "upnp": s.upnp,
             "upnp_addr": s.upnp_addr,
+            "translated": s.translated,
             "first_direct_s": s.first_direct_s,
             "timeline": dict(s.timeline),
         }
+
+
+def reserve_retry_s(previous: float | None, *, hinted: bool) -> float:
+    """How long before asking a peer that refused us a slot again, the wait before that
+    being ``previous`` (None: its first refusal): doubling, from ``HINTED_RESERVE_RETRY_S``
+    while we reserve on a hint (no verdict yet), never under ``RESERVE_RETRY_S`` after it."""
+    first = HINTED_RESERVE_RETRY_S if hinted else RESERVE_RETRY_S
+    return min(first if previous is None else max(2 * previous, first), RESERVE_RETRY_MAX_S)
+
+
+def _our_ips(host: DirectHostLike) -> set[str]:
+    """The IPs we listen or announce on, and every address of this machine."""
+    ips = set(local_ips("ip4") + local_ips("ip6"))
+    for addr in host.addrs():
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and not is_circuit(addr):
+            ips.add(parts[2])
+    out = set()
+    for ip in ips:
+        try:
+            out.add(str(plain_ip(ip)))
+        except ValueError:
+            continue
+    return out
 
 
 def starts_punch(our_id: str, peer_id: str) -> bool:
