@@ -9,10 +9,16 @@ import trio
 
 from node.algorithms.joining import StateOffers, vouched_round
 from node.algorithms.noloco import Noloco
-from node.algorithms.noloco.pairing import Pairing
 from node.daemon import Daemon
-from node.supervisor import WorkerConnection
-from tests.adversarial.harness import finished, micro_noloco, start_trainers, until
+from tests.adversarial.harness import (
+    described,
+    finished,
+    hold_for_a_joiner,
+    micro_noloco,
+    offered_round,
+    start_trainers,
+    until,
+)
 from tests.conftest import open_swarm
 
 ROUNDS = 30
@@ -32,86 +38,6 @@ def rounds_done(daemon: Daemon) -> int:
     return daemon.training.metrics.rounds if daemon.training else 0
 
 
-def described(nodes: list[Daemon]) -> str:
-    """Where each node's training stands (for a failure's message: the test timed out
-    twice beside a full run of the suite, not reproduced beside 3 CPU hogs)."""
-    keys = ("rounds", "start_round", "joined_from", "rounds_with_partner", "rounds_skipped", "worker_starts")
-    lines = []
-    for node in nodes:
-        status = node.training.status() if node.training else None
-        algorithm = node.training.algorithm if node.training else None
-        late = getattr(algorithm, "_late", None)
-        pairing = algorithm.pairing if isinstance(algorithm, Noloco) else None
-        at = None if pairing is None else (pairing._last_round, pairing.lag)
-        summary = None if status is None else {k: status.get(k) for k in keys}
-        lines.append(f"{node.peer_id[-6:]}: late {late}, offers {offered_round(node)}, pairing at/lag {at}, {summary}")
-    return "\n".join(lines)
-
-
-def offered_round(daemon: Daemon) -> int:
-    """The round of the state ``daemon`` offers joiners (-1: none yet)."""
-    if daemon.training is None or not isinstance(daemon.training.algorithm, Noloco):
-        return -1
-    offer = daemon.training.algorithm.states.service.offer
-    return -1 if offer is None else offer.round
-
-
-def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str]) -> None:
-    """The run waits for the joiner however slow the machine (on 2 busy cores the first two
-    once finished all 30 rounds before a third had fetched a state; in another run they did
-    9 rounds between two of its polls for their next boundary). Every NoLoCo node pairs for
-    no round from JOIN_AFTER on until a node not in ``trainers`` has asked its peers which
-    rounds they offer as it joins (not as it starts: its worker takes seconds to start in
-    between); then for no round after the next boundary (the one the joiner waits
-    for) until it has fetched a state, the state of round JOIN_AFTER + 1, and its worker
-    is ready (without that the first two, at ~0.2 s a micro round, could run ~10 rounds
-    ahead while its worker started: it would skip 3 rounds at a time to catch up)."""
-    asked, fetched, started = trio.Event(), trio.Event(), trio.Event()
-    joining: set[int] = set()
-    find = Pairing.find_partner
-    heads = StateOffers._heads
-    join = StateOffers.join
-    ready_before = Noloco.ready
-
-    def joiner(offers: StateOffers) -> bool:
-        # ``trainers`` is filled once the first have started: one of them asking before that
-        # (as a joiner, if the other is a round ahead) releases nothing.
-        return bool(trainers) and offers.service._host.peer_id not in trainers
-
-    async def held(self: Pairing, round_index: int, *args: Any, **kwargs: Any) -> Any:
-        if round_index >= JOIN_AFTER:
-            await asked.wait()
-        if round_index >= JOIN_AFTER + 1:
-            await fetched.wait()
-            await started.wait()
-        return await find(self, round_index, *args, **kwargs)
-
-    def ready(self: Noloco, worker: WorkerConnection) -> None:
-        ready_before(self, worker)
-        if trainers and self.ctx.host.peer_id not in trainers:
-            started.set()
-
-    async def heads_asked(self: StateOffers, partners: list[str], **kwargs: Any) -> dict[str, int]:
-        offered = await heads(self, partners, **kwargs)
-        if offered and id(self) in joining:
-            asked.set()
-        return offered
-
-    async def joined(self: StateOffers, *args: Any, **kwargs: Any) -> Path | None:
-        if joiner(self):
-            joining.add(id(self))
-        try:
-            return await join(self, *args, **kwargs)
-        finally:
-            if joiner(self):
-                fetched.set()
-
-    monkeypatch.setattr(Pairing, "find_partner", held)
-    monkeypatch.setattr(StateOffers, "_heads", heads_asked)
-    monkeypatch.setattr(StateOffers, "join", joined)
-    monkeypatch.setattr(Noloco, "ready", ready)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("compression", ["none", "sparseloco"])
 async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
@@ -122,7 +48,7 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
     training = {**TRAINING, "run__settings__compression": compression}
     async with open_swarm(short_tmp) as swarm:
         trainers: set[str] = set()
-        hold_for_a_joiner(monkeypatch, trainers)
+        hold_for_a_joiner(monkeypatch, trainers, join_after=JOIN_AFTER)
         first = await start_trainers(swarm, 2, training, run_name="join")
         trainers.update(n.peer_id for n in first)
         # Both offer the state of round JOIN_AFTER before the joiner first asks (held at its

@@ -316,3 +316,43 @@ async def test_a_chain_longer_than_a_chain_may_be_is_walked_no_further_and_refus
             if held is not None:  # kept as it came, for decoding to refuse (and its signer to pay)
                 with pytest.raises(ValueError):
                     SPARSE.decode_chain(held.versions(), NUMEL)
+
+
+@pytest.mark.parametrize("compression", ["none", "sparseloco"])
+async def test_an_owner_that_skips_rounds_publishes_again_as_of_the_last_skipped_and_does_not_lapse(
+    compression: str,
+) -> None:
+    """A SPES node behind its peers skips to their round (as NoLoCo's do). By the lease rule an
+    owner whose round is ``lapse_rounds`` past its newest version has lapsed, so the experts
+    it published at the round before the skip go again, as of the last round skipped."""
+    from types import SimpleNamespace
+
+    from node.algorithms.spes import Spes
+    from node.algorithms.spes.leases import Progress, lapsed
+
+    versions = expert_versions(compression)
+    spes = Spes.__new__(Spes)  # its publishing alone: a store, the experts block, our identity
+    spes.versions, spes.expert_numel = versions, NUMEL
+    spes.store = ExpertStore(None, RUN)  # type: ignore[arg-type]  # publishing needs no host
+    spes.store.configure(2, *versions.sizes(NUMEL), link=lambda w: versions.link(w, NUMEL), max_chain=versions.chain)
+    rng = np.random.default_rng(1)
+    block = bytearray((rng.standard_normal(2 * NUMEL) * 0.02).astype("<f4").tobytes())
+    spes._block = SimpleNamespace(buf=memoryview(block))
+    peer_id = keys.peer_id_of(SEED_A)
+    spes.ctx = SimpleNamespace(identity_seed=SEED_A, host=SimpleNamespace(peer_id=peer_id))  # type: ignore[assignment]
+    spes._chains, spes._worker_rounds = {}, [-1, -1]
+    spes.owned = spes._published = [0, 1]
+    await spes._publish(spes._published, 3)  # round 3's versions, as exchange publishes them
+    spes.store.round = 4
+    spes.owned = [1]  # expert 0 handed over at this boundary: not ours to publish again
+    await spes._skipped(3, 2)  # the worker left out rounds 4 and 5: our next is 6
+    assert spes.store.round == 6
+    assert spes.store.held[1].head.round == 5 and spes.store.held[0].head.round == 3
+    if versions.chain > 1:  # the chain goes on: a delta after round 3's keyframe
+        assert len(spes.store.held[1].versions()) == 2
+    now = 100.0
+    seen = Progress(newest=dict(spes.store.newest_by_owner), reported={peer_id: 6}, answered={peer_id: (10, now)})
+    assert not lapsed(peer_id, 0, seen, our_round=10, lapse_rounds=2, now=now)
+    # Without the versions as of round 5, the rule would take its experts.
+    before = Progress(newest={peer_id: 3}, reported={peer_id: 6}, answered={peer_id: (10, now)})
+    assert lapsed(peer_id, 0, before, our_round=10, lapse_rounds=2, now=now)

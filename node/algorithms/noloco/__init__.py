@@ -39,9 +39,6 @@ class Noloco(PayloadRounds):
         "rounds_shortened",
         "rounds_skipped",
     )
-    SKIPS_ROUNDS = True
-    """Whether a node further behind its peers than a pull reaches skips to their round
-    (``rounds_to_skip``)."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -111,7 +108,7 @@ class Noloco(PayloadRounds):
         # rounds it skipped: never past the run's last), whole rounds from there.
         lag = self.pairing.lag
         skipped, rounds = self.rounds_skipped, self.ctx.run.rounds
-        skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds) if self.SKIPS_ROUNDS else 0
+        skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds)
         steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lag - skip)
         if steps < self.ctx.run.inner.steps_per_round:
             self.rounds_shortened += 1

@@ -50,9 +50,6 @@ class Spes(Noloco):
         *("expert_versions_fetched", "expert_versions_refused", "expert_bytes_sent", "expert_bytes_received"),
         *("memory_curve", "leases", "releases"),
     )
-    # An owner that skipped rounds would be, by its own word, that many rounds past its
-    # newest version until it published the next: lapsed (leases.py), its experts taken.
-    SKIPS_ROUNDS = False
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -75,6 +72,9 @@ class Spes(Noloco):
         )
         self.owned: list[int] = []
         """What the worker trains (this round)."""
+        self._published: list[int] = []
+        """The experts we published at our last round's end (again, as of a later round, if
+        the worker then skips rounds)."""
         self._worker_rounds: list[int] = []
         """The round of the version the worker holds of each expert (-1: genesis)."""
         self._swapped: dict[int, Head] = {}
@@ -172,13 +172,21 @@ class Spes(Noloco):
         self.memory_curve.append(
             [round_index, len(self.owned), memory.get("grad_bytes", 0), memory.get("optimizer_state_bytes", 0)]
         )
+        self._published = list(self.owned)
+        await self._publish(self._published, round_index)
+        self._chains = {e: c for e, c in self._chains.items() if e in self._published}  # ours no more: gone
+        self.store.round = round_index + 1
+        await super().exchange(worker, done, outbox, inbox)
+
+    async def _publish(self, experts: list[int], round_index: int) -> None:
+        """Our versions of ``experts`` (owned: the worker wrote them to the experts block at
+        its round's end) as of ``round_index``."""
         nbytes = 4 * self.expert_numel
-        owned = list(self.owned)
-        raw = [bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes]) for expert in owned]
+        raw = [bytes(self._block.buf[expert * nbytes : (expert + 1) * nbytes]) for expert in experts]
         # A chain goes on only from our own newest version (a new owner, or one that lost
         # and took back an expert, starts one from a keyframe).
         chains = []
-        for expert in owned:
+        for expert in experts:
             chain, held = self._chains.get(expert), self.store.held.get(expert)
             ours = held is not None and held.head.owner == self.ctx.host.peer_id
             chains.append(
@@ -188,8 +196,9 @@ class Spes(Noloco):
         encoded = await trio.to_thread.run_sync(
             lambda: [self.versions.encode_next(data, chain) for data, chain in zip(raw, chains, strict=True)]
         )
-        self._chains = {}
-        for expert, weights, (data, chain) in zip(owned, raw, encoded, strict=True):
+        for expert in experts:
+            self._chains.pop(expert, None)
+        for expert, weights, (data, chain) in zip(experts, raw, encoded, strict=True):
             try:
                 self.store.publish(self.ctx.identity_seed, expert, round_index, data)
             except ValueError:
@@ -200,8 +209,19 @@ class Spes(Noloco):
             self._worker_rounds[expert] = round_index
             if chain is not None:
                 self._chains[expert] = chain
-        self.store.round = round_index + 1
-        await super().exchange(worker, done, outbox, inbox)
+
+    async def _skipped(self, round_index: int, skipped: int) -> None:
+        """The worker left out ``skipped`` rounds after ``round_index`` to catch up with its
+        peers: our round is that much later, and so is our newest version. Without that, by
+        the lease rule, an owner whose round is ``lapse_rounds`` past its newest version has
+        lapsed (leases.py): its experts would be taken at each skip. The experts published at
+        ``round_index`` that we still own go again, as of the last round skipped (their
+        weights, as the worker left them; a chained codec sends what its last delta left
+        out)."""
+        again = [expert for expert in self._published if expert in self.owned]
+        if again:
+            await self._publish(again, round_index + skipped)
+        self.store.round = max(self.store.round, round_index + 1 + skipped)
 
     async def outer_fields(self, round_index: int) -> dict[str, Any]:
         trained = set(self.owned)
@@ -245,6 +265,9 @@ class Spes(Noloco):
 
     async def judge(self, done: dict[str, Any]) -> None:
         await super().judge(done)
+        skipped = done.get("skipped")
+        if type(skipped) is int and 0 < skipped < self.ctx.run.rounds:
+            await self._skipped(int(done["round"]), skipped)
         refused = done.get("rejected_experts") or []
         refused_experts = set()
         for item in refused if isinstance(refused, list) else []:
