@@ -243,6 +243,41 @@ async def test_a_node_seen_on_an_ip_not_its_own_reserves_a_relay_slot_before_its
         assert relay.peer_id not in {str(p) for p in client.nat._transport._reservations}  # libp2p renews it no more
 
 
+async def test_a_relay_slot_that_comes_after_the_public_verdict_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reservation asked on the hint was still under way when the node was found public
+    (a second reader's probe: it was kept, circuit address and all, renewed for good)."""
+    monkeypatch.setattr(dialback, "COOLDOWN_S", 0.0)
+    async with host(31, RELAY) as relay, host(32, nat.NatPolicy(hole_punch=False)) as client:
+        gate, entered, returned = trio.Event(), trio.Event(), trio.Event()
+        real, reserve = client.nat._transport.reserve, client.nat.reserve
+
+        async def held_back(*args: object, **kwargs: object) -> bool:
+            entered.set()
+            await gate.wait()
+            return await real(*args, **kwargs)
+
+        async def reserved(relay_id: str) -> bool:
+            try:
+                return await reserve(relay_id)
+            finally:
+                returned.set()
+
+        monkeypatch.setattr(client.nat._transport, "reserve", held_back)
+        monkeypatch.setattr(client.nat, "reserve", reserved)
+        relay.set_handler(dialback.PROTOCOL_ID, seen_then_no_verdict("203.0.113.9"))  # type: ignore[arg-type]
+        await client.connect(parse_dial_addr(relay.addrs()[0]), timeout_s=5)
+        with trio.fail_after(10):
+            await entered.wait()  # reserving on the hint
+        dialback.DialbackServer(relay).register()
+        client.nat.prefer([relay.peer_id])
+        assert await client.nat.check_reachability(client) == "public"
+        gate.set()
+        with trio.fail_after(10):
+            await returned.wait()
+        assert client.nat.status.reservations == {} and not any(nat.is_circuit(a) for a in client.addrs())
+        assert relay.peer_id not in {str(p) for p in client.nat._transport._reservations}
+
+
 @pytest.mark.parametrize("ip", ["127.0.0.1", "not an ip"])
 async def test_a_server_seeing_us_on_our_own_ip_or_naming_no_ip_reserves_nothing(ip: str) -> None:
     async with host(21, RELAY) as relay, host(22, nat.NatPolicy(hole_punch=False)) as client:
@@ -251,7 +286,7 @@ async def test_a_server_seeing_us_on_our_own_ip_or_naming_no_ip_reserves_nothing
         assert await client.nat.check_reachability(client) == "unknown"
         # Asked by this check or the reachability loop's, whichever came first (they share a lock).
         assert client.nat.status.translated is None and "translated" not in client.nat.status.timeline
-        assert not client.nat._wants_relays()
+        assert client.nat._relays_wanted() == 0
 
 
 @pytest.mark.parametrize(

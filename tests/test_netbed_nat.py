@@ -93,7 +93,8 @@ async def test_two_nodes_behind_nats_meet_by_dht_punch_through_and_move_a_tensor
             a_up, b_up = await a.event(), await b.event()
             for up, k in ((a_up, 0), (b_up, 1)):
                 assert up["nat"]["reachability"] == "private"  # the public node's dial-back got no answer
-                assert up["nat"]["observed_ip"] == bed.nat_wan_ip(k)
+                assert up["nat"]["observed_ip"] == up["nat"]["translated"] == bed.nat_wan_ip(k)
+                assert up["nat"]["timeline"]["translated"] < up["nat"]["timeline"]["verdict"]  # the early word
                 assert list(up["nat"]["reservations"]) == [boot.rsplit("/p2p/", 1)[1]]
 
             found = await a.do("find")

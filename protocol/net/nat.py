@@ -41,8 +41,10 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
   that is none of ours (``NatStatus.translated``: a NAT rewrites our address), without
   waiting for the verdict: behind a NAT that drops unsolicited SYNs, only the dial-back's
   timeout (``dialback.DIALBACK_TIMEOUT_S``, 3 s) tells, and the hint comes within a round
-  trip. A wrong hint (a port forward, or a lying server) costs a relay slot until the
-  verdict: a node found public gives its slots up.
+  trip. One slot then, not ``WANTED_RELAYS``: a wrong hint (a port forward, a cloud VM's
+  one-to-one NAT, or a lying server) holds it on the relay until it expires there (libp2p's
+  reservation TTL, an hour), though a node found public gives its slots up at once (and
+  one that comes after the verdict).
 
 - **DCUtR**: libp2p's ``DCUtRProtocol`` tries to hole-punch every relayed connection (both
   sides dial each other's observed address at once); a success leaves a direct connection
@@ -695,24 +697,31 @@ class Nat:
         self._mark("translated")
         self._notify()
 
-    def _wants_relays(self) -> bool:
-        """Private, or not known yet while a server saw our address translated."""
+    def _relays_wanted(self) -> int:
+        """How many relay slots we want: ``WANTED_RELAYS`` while private; one while not known
+        yet and a server saw our address translated (a wrong hint holds it on the relay until
+        the slot expires there, an hour: not two); none otherwise."""
         reachability = self.status.reachability
-        return reachability == "private" or (reachability == "unknown" and self.status.translated is not None)
+        if reachability == "private":
+            return WANTED_RELAYS
+        return 1 if reachability == "unknown" and self.status.translated is not None else 0
 
     def _give_up_reservations(self) -> None:
         """Found public: our relay slots go (their circuits leave our addresses, and libp2p
-        stops renewing them; the relay's slot lapses at its expiry)."""
+        stops renewing them; the relay keeps the slot until it expires there, an hour)."""
         if not self.status.reservations:
             return
-        # libp2p's refresher renews what these hold (private: no public way to drop one).
-        renewed = [getattr(self._transport, name, None) for name in ("_reservations", "_reservation_proofs")]
         for relay in list(self.status.reservations):
-            for table in renewed:
-                if isinstance(table, dict):
-                    table.pop(parse_peer_id(relay), None)
+            self._forget_slot(relay)
             del self.status.reservations[relay]
         logger.info("public: gave up our relay slots")
+
+    def _forget_slot(self, relay: str) -> None:
+        """libp2p's refresher renews each slot its transport holds (no public way to drop one)."""
+        for name in ("_reservations", "_reservation_proofs"):
+            table = getattr(self._transport, name, None)
+            if isinstance(table, dict):
+                table.pop(parse_peer_id(relay), None)
 
     async def _reachability_loop(self, host: DirectHostLike) -> None:
         """Checks at start, while unknown, when our addresses change, and every 10 min."""
@@ -742,10 +751,10 @@ class Nat:
         while not self._stopped:
             news = self._news
             self._drop_lost_relays()
-            if self._wants_relays() and len(self.status.reservations) < WANTED_RELAYS:
+            if len(self.status.reservations) < self._relays_wanted():
                 for relay in self._relay_candidates():
                     await self.reserve(relay)
-                    if len(self.status.reservations) >= WANTED_RELAYS:
+                    if len(self.status.reservations) >= self._relays_wanted():  # a verdict may have come meanwhile
                         break
             await _nap(news)
 
@@ -802,6 +811,11 @@ class Nat:
             self._reserve_failed[relay] = (trio.current_time(), wait_s)
             return False
         self._reserve_failed.pop(relay, None)
+        if len(self.status.reservations) >= self._relays_wanted():
+            # Found public (or enough slots) while this one was under way: not kept.
+            self._forget_slot(relay)
+            logger.debug("a relay slot on %s came when we no longer wanted it", relay)
+            return False
         self.status.reservations[relay] = Reservation(relay, relay_addr, self._mark("reserved"))
         logger.info("reserved a relay slot on %s (%s)", relay, relay_addr)
         self._notify()
