@@ -7,16 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from node.algorithms.noloco.pairing import (
-    MAX_LAG,
-    PAST_THE_RUN_POINTS,
-    PULL_AHEAD_ROUNDS,
-    Pairing,
-    _Round,
-    catch_up_steps,
-    lag_of,
-    rounds_to_skip,
-)
+from node.algorithms.noloco.lag import MAX_LAG, PULL_AHEAD_ROUNDS, catch_up_steps, lag_of, rounds_to_skip
+from node.algorithms.noloco.pairing import PAST_THE_RUN_POINTS, Pairing, _Round
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 

@@ -113,7 +113,7 @@ class Trainer:
         by a pause of (slowdown − 1) × its time."""
         self.next_round_steps = inner.steps_per_round
         """Inner steps of the coming round: H, or fewer while the node catches up with peers
-        ahead of it (the daemon's word, node/algorithms/noloco/pairing.py ``catch_up_steps``)."""
+        ahead of it (the daemon's word, node/algorithms/noloco/lag.py ``catch_up_steps``)."""
         self.steps_this_round = inner.steps_per_round
         """Inner steps the round whose payload is out took: a partner's Δ over H steps is
         measured against ours scaled to H (``check_partner``'s ``scale``)."""

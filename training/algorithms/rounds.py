@@ -222,7 +222,7 @@ def _outer_round(
     payload checks included). ``held``: the step lands under overlapped steps
     (the step count at the round's end, and how many were taken since). The next round's
     inner steps are ``outer_go``'s ``steps`` (``Trainer.next_round_steps``: fewer than H
-    while our peers are ahead of us, node/algorithms/noloco/pairing.py ``catch_up_steps``).
+    while our peers are ahead of us, node/algorithms/noloco/lag.py ``catch_up_steps``).
     False if the daemon said stop."""
     collected: dict[str, list[torch.Tensor]] = {}
     wait_s = outer_s = 0.0

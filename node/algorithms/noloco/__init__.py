@@ -11,7 +11,8 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.noloco.pairing import Pairing, catch_up_steps, rounds_to_skip
+from node.algorithms.noloco.lag import catch_up_steps, rounds_to_skip
+from node.algorithms.noloco.pairing import Pairing
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
 
