@@ -56,12 +56,43 @@ class WorkerConnection:
         self.on_saved: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         """Takes the worker's ``saved`` messages (its checkpoint thread's: they come between
         any two others), so ``receive`` returns only the round's own; without it, returned."""
+        self._early: dict[str, Any] | None = None
+        """A message ``saved_meanwhile`` read that is not ``saved``: ``receive``'s next."""
+        self._reading = trio.Lock()
+        """One reader of the pipe at a time (an exchange may ``receive`` while
+        ``saved_meanwhile`` reads: DiLoCo's asks its worker to accumulate)."""
 
     async def receive(self) -> dict[str, Any]:
-        while True:
-            message = await self._next()
-            if message["t"] != "saved" or self.on_saved is None:
+        async with self._reading:
+            if self._early is not None:
+                message, self._early = self._early, None
                 return message
+            while True:
+                message = await self._next()
+                if message["t"] != "saved" or self.on_saved is None:
+                    return message
+                await self._take_saved(message)
+
+    async def saved_meanwhile(self) -> None:
+        """Takes ``saved`` messages while the daemon is busy with something else than
+        reading (a round's exchange: pairing may wait seconds); stops at the first other
+        message, kept for ``receive``. Cancel it when done: the pipe's read loses nothing
+        to a cancel (the bytes are taken only once a read returns). Without it the offer of
+        a checkpoint whose write ended after the next round's ``round_done`` waited behind
+        that round's exchange (a joiner waiting for that offer waited on it in turn)."""
+        if self.on_saved is None:
+            return
+        async with self._reading:
+            while self._early is None:
+                message = await self._next()
+                if message["t"] != "saved":
+                    self._early = message  # for ``receive`` (waiting for the lock, or the next)
+                    return
+                await self._take_saved(message)
+
+    async def _take_saved(self, message: dict[str, Any]) -> None:
+        assert self.on_saved is not None
+        with trio.CancelScope(shield=True):  # an offer is made whole or not at all
             await self.on_saved(message)
 
     async def _next(self) -> dict[str, Any]:

@@ -285,7 +285,10 @@ class PayloadRounds:
                     load = message.get("expert_load")
                     if isinstance(load, list) and all(isinstance(v, float) for v in load):
                         metrics.expert_load = load
-                    await self.exchange(worker, message, outbox, inbox)
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(worker.saved_meanwhile)  # the last round's checkpoint, offered at once
+                        await self.exchange(worker, message, outbox, inbox)
+                        nursery.cancel_scope.cancel()
                 elif message["t"] == "accumulated":
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":

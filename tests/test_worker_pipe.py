@@ -1,0 +1,65 @@
+"""The daemon's end of a worker's pipe (node/supervisor.py WorkerConnection): checkpoint
+``saved`` messages taken while a round's exchange goes on, nothing lost, one reader at a time."""
+
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+import trio.testing
+
+from node.supervisor import WorkerConnection
+from training import ipc
+
+
+def connection() -> tuple[WorkerConnection, trio.abc.SendStream, list[dict[str, Any]], trio.Event]:
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    worker = WorkerConnection(SimpleNamespace(stdout=receive))  # type: ignore[arg-type]
+    offered: list[dict[str, Any]] = []
+    got_one = trio.Event()
+
+    async def on_saved(message: dict[str, Any]) -> None:
+        offered.append(message)
+        got_one.set()
+
+    worker.on_saved = on_saved
+    return worker, send, offered, got_one
+
+
+async def test_a_checkpoint_saved_during_an_exchange_is_taken_at_once_and_the_next_message_kept() -> None:
+    """Before, a ``saved`` that came after a round's ``round_done`` waited behind that round's
+    exchange (pairing may wait seconds): a joiner waiting for that offer waited with it."""
+    worker, send, offered, got_one = connection()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.saved_meanwhile)
+        await send.send_all(ipc.encode("saved", {"round": 2, "save_error": None}))
+        with trio.fail_after(5):
+            await got_one.wait()  # while the "exchange" (this test) has not read a thing
+        assert [m["round"] for m in offered] == [2]
+        await send.send_all(ipc.encode("outer_done", {"round": 3}))
+    with trio.fail_after(5):  # saved_meanwhile ended at it, and kept it
+        assert (await worker.receive())["t"] == "outer_done"
+
+
+async def test_an_exchange_may_receive_while_saved_messages_are_taken_and_a_cancel_loses_nothing() -> None:
+    worker, send, offered, _ = connection()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.saved_meanwhile)
+        await trio.testing.wait_all_tasks_blocked()
+        got: list[dict[str, Any]] = []
+
+        async def exchange_receives() -> None:  # as DiLoCo's exchange reads "accumulated"
+            got.append(await worker.receive())
+
+        nursery.start_soon(exchange_receives)
+        await trio.testing.wait_all_tasks_blocked()
+        await send.send_all(ipc.encode("accumulated", {"round": 3}))
+    assert [m["t"] for m in got] == ["accumulated"] and offered == []
+    # Cancelled while waiting for bytes: what comes later is all there for ``receive``.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.saved_meanwhile)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    await send.send_all(ipc.encode("saved", {"round": 3, "save_error": None}) + ipc.encode("round_done", {"round": 4}))
+    with trio.fail_after(5):
+        assert (await worker.receive())["t"] == "round_done"
+    assert [m["round"] for m in offered] == [3]
