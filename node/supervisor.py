@@ -61,9 +61,13 @@ class WorkerConnection:
         self._reading = trio.Lock()
         """One reader of the pipe at a time (an exchange may ``receive`` while
         ``saved_meanwhile`` reads: DiLoCo's asks its worker to accumulate)."""
+        self._failed: WorkerGone | None = None
+        """What ``saved_meanwhile`` met (it never raises: ``receive`` does, next)."""
 
     async def receive(self) -> dict[str, Any]:
         async with self._reading:
+            if self._failed is not None:
+                raise self._failed
             if self._early is not None:
                 message, self._early = self._early, None
                 return message
@@ -83,12 +87,28 @@ class WorkerConnection:
         if self.on_saved is None:
             return
         async with self._reading:
-            while self._early is None:
-                message = await self._next()
+            while self._early is None and self._failed is None:
+                try:
+                    message = await self._next()
+                except WorkerGone as exc:
+                    self._failed = exc  # raised where the session reads (a task beside it must not)
+                    return
                 if message["t"] != "saved":
                     self._early = message  # for ``receive`` (waiting for the lock, or the next)
                     return
                 await self._take_saved(message)
+
+    async def while_taking_saved(self, body: Callable[[], Awaitable[None]]) -> None:
+        """``body()`` (a round's exchange) with ``saved_meanwhile`` beside it; what ``body``
+        raises comes out as itself, not in an exception group (the supervisor catches
+        ``WorkerGone`` and ``RestartWorker`` by their type)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.saved_meanwhile)
+                await body()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _alone(group) from None
 
     async def _take_saved(self, message: dict[str, Any]) -> None:
         assert self.on_saved is not None
@@ -136,6 +156,13 @@ class WorkerConnection:
             if block is not None:
                 close_block(block)
         self.outbox = self.inbox = None
+
+
+def _alone(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one each, else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 _lingering: list[shared_memory.SharedMemory] = []

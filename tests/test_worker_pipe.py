@@ -63,3 +63,32 @@ async def test_an_exchange_may_receive_while_saved_messages_are_taken_and_a_canc
     with trio.fail_after(5):
         assert (await worker.receive())["t"] == "round_done"
     assert [m["round"] for m in offered] == [3]
+
+
+async def test_what_an_exchange_raises_beside_the_taking_comes_out_as_itself() -> None:
+    """The supervisor catches ``WorkerGone`` and ``RestartWorker`` by type: an exception group
+    around them (trio's nurseries make one) would take the daemon down instead."""
+    from node.supervisor import RestartWorker, WorkerGone
+
+    worker, send, _, _ = connection()
+    for raised in (WorkerGone("worker's pipe broke"), RestartWorker("drifted")):
+
+        async def exchange(raised: Exception = raised) -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            raise raised
+
+        try:
+            await worker.while_taking_saved(exchange)
+        except (WorkerGone, RestartWorker) as exc:
+            assert exc is raised
+        else:
+            raise AssertionError("nothing raised")
+    # The pipe breaking while only the taking reads: raised where the session reads next.
+    await send.aclose()
+    await worker.while_taking_saved(trio.testing.wait_all_tasks_blocked)
+    try:
+        await worker.receive()
+    except WorkerGone as exc:
+        assert "exited" in str(exc)
+    else:
+        raise AssertionError("nothing raised")

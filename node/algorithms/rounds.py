@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -285,10 +286,8 @@ class PayloadRounds:
                     load = message.get("expert_load")
                     if isinstance(load, list) and all(isinstance(v, float) for v in load):
                         metrics.expert_load = load
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(worker.saved_meanwhile)  # the last round's checkpoint, offered at once
-                        await self.exchange(worker, message, outbox, inbox)
-                        nursery.cancel_scope.cancel()
+                    # The last round's checkpoint is offered as soon as it is written, pairing or not.
+                    await worker.while_taking_saved(partial(self.exchange, worker, message, outbox, inbox))
                 elif message["t"] == "accumulated":
                     raise WorkerGone("an 'accumulated' nobody asked for")
                 elif message["t"] == "outer_done":
