@@ -241,4 +241,5 @@ def test_a_resync_takes_a_state_from_peers_it_refused_only_where_they_are_all_it
     assert sources(["a", "b"], {"a", "b"}) == ["a", "b"]  # every peer refused, more than one: we drifted
     assert sources(["a", "b"], {"a"}) == ["b"]
     assert sources(["a"], {"a"}) == []  # a run of two: nobody to tell which of us drifted
+    assert sources(["a"], {"a", "b"}) == []  # the same once the other refused one is banned or gone
     assert sources(["a", "b"], set()) == ["a", "b"]  # a joiner

@@ -222,14 +222,15 @@ class PayloadRounds:
 
     def _state_sources(self) -> list[str]:
         """The peers a join (or a resync) takes a state from: those whose payloads we did not
-        refuse as too far from ours; where that is none and we refused more than one, all of
+        refuse as too far from ours; where that is none and we have more than one, all of
         them (they agree with each other, not with us: the replica that drifted is ours).
         Without the second rule a node in a run of three that drifted refused both its peers
         and never resynced: seen in a full run of the suite, a late joiner refused its peers'
         payloads to the end of the run, a point each, and banned one of them."""
         partners = self.ctx.partners()
         others = [p for p in partners if p not in self.not_from]
-        return others if others or len(self.not_from) < 2 else partners
+        # Counted among our partners now: one of the refused may be gone or banned since.
+        return others if others or len(partners) < 2 else partners
 
     async def _set_aside(self) -> None:
         """Before the worker starts again after ``_resync``: our state moved aside, so the
