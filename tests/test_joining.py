@@ -10,15 +10,7 @@ import trio
 from node.algorithms.joining import StateOffers, vouched_round
 from node.algorithms.noloco import Noloco
 from node.daemon import Daemon
-from tests.adversarial.harness import (
-    described,
-    finished,
-    hold_for_a_joiner,
-    micro_noloco,
-    offered_round,
-    start_trainers,
-    until,
-)
+from tests.adversarial.harness import finished, micro_noloco, run_with_a_late_joiner, start_trainers, until
 from tests.conftest import open_swarm
 
 ROUNDS = 30
@@ -47,26 +39,9 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
     error feedback (what that peer has yet to send), and pairs on."""
     training = {**TRAINING, "run__settings__compression": compression}
     async with open_swarm(short_tmp) as swarm:
-        trainers: set[str] = set()
-        hold_for_a_joiner(monkeypatch, trainers, join_after=JOIN_AFTER)
-        first = await start_trainers(swarm, 2, training, run_name="join")
-        trainers.update(n.peer_id for n in first)
-        # Both offer the state of round JOIN_AFTER before the joiner first asks (held at its
-        # boundary, neither gets further): a checkpoint lands in the background after its
-        # round's end, and a joiner that first saw one peer a round behind waited for the
-        # round after that (vouched_round), and joined a round early (start_round 3: once,
-        # beside a loaded machine's other work).
-        await until(first, lambda: all(offered_round(n) >= JOIN_AFTER for n in first), timeout_s=TIMEOUT_S)
-        assert first[0].run_service is not None
-        boot = swarm.daemons[0]
-        assert boot.host is not None
-        run_id = first[0].run_service.state.run_id
-        late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **training)
-        nodes = [*first, late]
-        try:
-            await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
-        except trio.TooSlowError:
-            raise AssertionError(f"not finished in {TIMEOUT_S} s:\n{described(nodes)}") from None
+        first, late = await run_with_a_late_joiner(
+            swarm, monkeypatch, training, run_name="join", join_after=JOIN_AFTER, timeout_s=TIMEOUT_S
+        )
         assert late.training is not None and isinstance(late.training.algorithm, Noloco)
         status = late.training.status()
         assert status is not None

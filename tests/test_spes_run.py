@@ -6,11 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trio
 
 from node.algorithms.spes import Spes
 from node.daemon import Daemon
-from tests.adversarial.harness import described, finished, hold_for_a_joiner, offered_round, start_trainers, until
+from tests.adversarial.harness import described, finished, run_with_a_late_joiner, start_trainers, until
 from tests.conftest import open_swarm
 from training.encodings.experts import DELTA
 
@@ -129,21 +128,10 @@ async def test_a_late_joiner_takes_a_peers_state_is_handed_experts_and_its_spars
 
     monkeypatch.setattr(Spes, "_publish", recorded)
     async with open_swarm(short_tmp) as swarm:
-        trainers: set[str] = set()
-        hold_for_a_joiner(monkeypatch, trainers, join_after=JOIN_AFTER)
-        first = await start_trainers(swarm, 2, training, run_name="spes")
-        trainers.update(n.peer_id for n in first)
-        await until(first, lambda: all(offered_round(n) >= JOIN_AFTER for n in first), timeout_s=TIMEOUT_S)
-        assert first[0].run_service is not None
-        boot = swarm.daemons[0]
-        assert boot.host is not None
-        run_id = first[0].run_service.state.run_id
-        late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **training)
+        first, late = await run_with_a_late_joiner(
+            swarm, monkeypatch, training, run_name="spes", join_after=JOIN_AFTER, timeout_s=TIMEOUT_S
+        )
         nodes = [*first, late]
-        try:
-            await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
-        except trio.TooSlowError:
-            raise AssertionError(f"not finished in {TIMEOUT_S} s:\n{described(nodes)}") from None
         status = late.training.status() if late.training else None
         assert status is not None
         assert status["joined_from"] in {n.peer_id for n in first}

@@ -143,3 +143,36 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str], *, jo
     monkeypatch.setattr(StateOffers, "_heads", heads_asked)
     monkeypatch.setattr(StateOffers, "join", joined)
     monkeypatch.setattr(Noloco, "ready", ready)
+
+
+async def run_with_a_late_joiner(
+    swarm: Swarm,
+    monkeypatch: pytest.MonkeyPatch,
+    training: dict[str, Any],
+    *,
+    run_name: str,
+    join_after: int,
+    timeout_s: float,
+) -> tuple[list[Daemon], Daemon]:
+    """Two trainers start a run; a third joins once both offer the state of round
+    ``join_after`` (held there: ``hold_for_a_joiner``); all three train to the end. A
+    checkpoint lands in the background after its round's end, and a joiner that first saw
+    one peer a round behind waited for the round after that (vouched_round) and joined a
+    round early (start_round 3: once, beside a loaded machine's other work): hence the wait
+    for both offers. Returns (the first two, the joiner)."""
+    trainers: set[str] = set()
+    hold_for_a_joiner(monkeypatch, trainers, join_after=join_after)
+    first = await start_trainers(swarm, 2, training, run_name=run_name)
+    trainers.update(n.peer_id for n in first)
+    await until(first, lambda: all(offered_round(n) >= join_after for n in first), timeout_s=timeout_s)
+    assert first[0].run_service is not None
+    boot = swarm.daemons[0]
+    assert boot.host is not None
+    run_id = first[0].run_service.state.run_id
+    late = await swarm.start("late", network__bootstrap=[boot.host.addrs()[0]], run__run_id=run_id, **training)
+    nodes = [*first, late]
+    try:
+        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=timeout_s)
+    except trio.TooSlowError:
+        raise AssertionError(f"not finished in {timeout_s} s:\n{described(nodes)}") from None
+    return first, late
