@@ -69,6 +69,7 @@ def described(nodes: list[Daemon]) -> str:
     """Where each node's training stands, for a failure's message (tests/test_joining.py's
     late joiner timed out twice beside a full run of the suite, not reproduced beside 3 CPU hogs)."""
     keys = ("rounds", "start_round", "joined_from", "rounds_with_partner", "rounds_skipped", "worker_starts")
+    keys += ("checkpoint_error", "session_errors", "sync_wait_s")
     lines = []
     for node in nodes:
         status = node.training.status() if node.training else None
@@ -164,7 +165,11 @@ async def run_with_a_late_joiner(
     hold_for_a_joiner(monkeypatch, trainers, join_after=join_after)
     first = await start_trainers(swarm, 2, training, run_name=run_name)
     trainers.update(n.peer_id for n in first)
-    await until(first, lambda: all(offered_round(n) >= join_after for n in first), timeout_s=timeout_s)
+    try:
+        await until(first, lambda: all(offered_round(n) >= join_after for n in first), timeout_s=timeout_s)
+    except trio.TooSlowError:
+        # Seen twice in full runs of the suite (load average 0.05 once), after 644199c too.
+        raise AssertionError(f"no offer of round {join_after} in {timeout_s} s:\n{described(first)}") from None
     assert first[0].run_service is not None
     boot = swarm.daemons[0]
     assert boot.host is not None
