@@ -195,26 +195,3 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         assert drifter.training.metrics.rounds_with_partner > partnered_before
         bans = {(a.peer_id, b.peer_id) for a in nodes for b in nodes if a.peers.is_banned(b.peer_id)}
         assert not bans, f"{metrics}, {status}"
-
-
-def test_a_resync_takes_a_state_from_peers_it_refused_only_where_they_are_all_it_has_and_more_than_one() -> None:
-    """In a run of three, a node that drifted refused both its peers: they agree with each
-    other, not with it, so it takes one of their states (it never resynced before: a late
-    joiner in a full run of the suite refused its peers' payloads to the end of the run)."""
-    from types import SimpleNamespace
-
-    from node.algorithms.rounds import PayloadRounds
-
-    rounds = PayloadRounds.__new__(PayloadRounds)
-
-    def sources(partners: list[str], refused: set[str]) -> list[str]:
-        rounds.ctx = SimpleNamespace(partners=lambda: partners)  # type: ignore[assignment]
-        rounds.not_from = refused
-        return rounds._state_sources()
-
-    assert sources(["a", "b", "c"], {"a", "b"}) == ["c"]  # one we did not refuse
-    assert sources(["a", "b"], {"a", "b"}) == ["a", "b"]  # every peer refused, more than one: we drifted
-    assert sources(["a", "b"], {"a"}) == ["b"]
-    assert sources(["a"], {"a"}) == []  # a run of two: nobody to tell which of us drifted
-    assert sources(["a"], {"a", "b"}) == []  # the same once the other refused one is banned or gone
-    assert sources(["a", "b"], set()) == ["a", "b"]  # a joiner
