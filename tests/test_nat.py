@@ -57,6 +57,13 @@ async def relay_and_two_private() -> AsyncIterator[tuple[Host, Host, Host]]:
         yield relay, a, b
 
 
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound, then let go)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        return int(closed.getsockname()[1])
+
+
 def circuit_only(target: Host) -> PeerAddrs:
     return PeerAddrs(target.peer_id, tuple(a for a in target.addrs() if nat.is_circuit(a)))
 
@@ -84,9 +91,7 @@ async def test_peers_reach_a_private_node_through_the_relay_for_control_traffic(
 async def test_a_dial_falls_back_to_the_relays_we_hold_slots_on() -> None:
     """A peer found with only unreachable direct addresses is dialed through our relay."""
     async with relay_and_two_private() as (_, a, b):
-        with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
-            dead = f"/ip4/127.0.0.1/tcp/{closed.getsockname()[1]}"
+        dead = f"/ip4/127.0.0.1/tcp/{closed_port()}"
         await a.connect(PeerAddrs(b.peer_id, (dead,)), timeout_s=10)
         assert a.connection_type(b.peer_id) == "relayed"
 
@@ -175,9 +180,7 @@ async def test_dial_back_reports_closed_ports_and_refuses_bad_or_repeated_reques
     policy = nat.NatPolicy(reachability="public", hole_punch=False)
     async with host(8, policy) as server, host(9, policy) as client:
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
-        with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
-            port = closed.getsockname()[1]
+        port = closed_port()
         reply = await ask(client, server, {"ports": [port]})
         assert reply["ok"] == [] and reply["ip"] == "127.0.0.1"
         again = await ask(client, server, {"ports": [port]})
@@ -191,9 +194,7 @@ async def test_a_dial_back_server_says_where_it_sees_us_before_it_dials_only_whe
     policy = nat.NatPolicy(reachability="public", hole_punch=False)
     async with host(17, policy) as server, host(18, policy) as client:
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
-        with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
-            port = closed.getsockname()[1]
+        port = closed_port()
         stream = await client.open_stream(server.peer_id, dialback.PROTOCOL_ID, timeout_s=5)
         with trio.fail_after(15):
             await wire.send(stream, "dialback?", dialback.VERSION, {"ports": [port], "seen": True})
