@@ -60,6 +60,9 @@ class NetworkConfig:
     """A relayed connection through us is closed after this long (the peers may reconnect)."""
     relay_circuit_data_mib: int = 64
     """Bytes a relayed connection through us may carry, both directions together."""
+    relay_reservation_ttl_s: int = 900
+    """A relay slot on us lasts this long unless its holder renews it (libp2p renews 30 s
+    before the end): a slot held by a peer that needs it no more is free again after this."""
     upnp: bool = False
     """Ask the home router to forward our listen port (UPnP IGD); changes the router, so off by default."""
     reachability: str = "auto"
@@ -95,6 +98,11 @@ class NetworkConfig:
         if not 1 <= self.relay_circuit_data_mib <= 1 << 20:
             raise ConfigError(
                 f"network.relay_circuit_data_mib: must be 1 to {1 << 20}, got {self.relay_circuit_data_mib}"
+            )
+        if not 60 <= self.relay_reservation_ttl_s <= 86_400:
+            # Below a minute a holder renewing 30 s before the end would renew all the time.
+            raise ConfigError(
+                f"network.relay_reservation_ttl_s: must be 60 to 86400, got {self.relay_reservation_ttl_s}"
             )
 
 

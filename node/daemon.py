@@ -131,6 +131,7 @@ class Daemon:
             max_circuits=net.relay_max_circuits,
             circuit_duration_s=net.relay_circuit_duration_s,
             circuit_data_mib=net.relay_circuit_data_mib,
+            reservation_ttl_s=net.relay_reservation_ttl_s,
             reachability=net.reachability,
             upnp=net.upnp,
         )

@@ -40,6 +40,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ({"network.reachability": "maybe"}, "network.reachability"),
         ({"network.relay_max_reservations": 0}, "network.relay_max_reservations"),
         ({"network.relay_circuit_data_mib": 0}, "network.relay_circuit_data_mib"),
+        ({"network.relay_reservation_ttl_s": 30}, "network.relay_reservation_ttl_s"),
         ({"run.settings.compression": "zip"}, "run.settings.compression"),
         ({"network.dial_timeout_s": -1}, "network.dial_timeout_s"),
         ({"network.listen": "/ip4/1.2.3.4/tcp/1"}, "network.listen"),

@@ -6,6 +6,7 @@ relayed connection at once); the real thing, across real NATs, is in test_netbed
 """
 
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -74,6 +75,11 @@ async def test_a_private_node_reserves_a_slot_and_announces_it() -> None:
         assert circuit.endswith(f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{a.peer_id}")
         assert a.nat.summary()["reservations"] == {relay.peer_id: circuit.rsplit("/p2p/", 1)[0]}
         assert relay.nat.summary()["offering_relay"] and not a.nat.summary()["offering_relay"]
+        # The slot lasts our relay's TTL, not libp2p's hour: made within the last 25 s (the
+        # connect's 5 s and wait_for's 20 s bounds), its expiry (whole seconds) is at most
+        # the TTL away and more than the TTL less a minute.
+        (expires,) = [exp for peer, exp in a.nat._transport._reservations.items() if str(peer) == relay.peer_id]
+        assert RELAY.reservation_ttl_s - 60 < expires - time.time() <= RELAY.reservation_ttl_s < 3600
 
 
 async def test_peers_reach_a_private_node_through_the_relay_for_control_traffic() -> None:

@@ -42,9 +42,9 @@ Most volunteers sit behind a NAT: nobody can dial them, but they can dial out. S
   waiting for the verdict: behind a NAT that drops unsolicited SYNs, only the dial-back's
   timeout (``dialback.DIALBACK_TIMEOUT_S``, 3 s) tells, and the hint comes within a round
   trip. One slot then, not ``WANTED_RELAYS``: a wrong hint (a port forward, a cloud VM's
-  one-to-one NAT, or a lying server) holds it on the relay until it expires there (libp2p's
-  reservation TTL, an hour), though a node found public gives its slots up at once (and
-  one that comes after the verdict).
+  one-to-one NAT, or a lying server) holds it on the relay until it expires there (15 min
+  on ours, ``NatPolicy.reservation_ttl_s``; libp2p's default is an hour), though a node
+  found public gives its slots up at once (and one that comes after the verdict).
 
 - **DCUtR**: libp2p's ``DCUtRProtocol`` tries to hole-punch every relayed connection (both
   sides dial each other's observed address at once); a success leaves a direct connection
@@ -171,6 +171,9 @@ class NatPolicy:
     circuit_duration_s: int = 3600
     circuit_data_mib: int = 64
     """Per relayed connection, both directions together: control traffic only fits."""
+    reservation_ttl_s: int = 900
+    """How long a slot on us lasts unless renewed (libp2p's default is an hour): a node that
+    reserved on a wrong NAT hint, or found itself public, frees its slot within this."""
     reachability: str = "auto"
     """auto: found by dial-backs; public or private: as told (the node knows better)."""
     hole_punch: bool = True
@@ -186,6 +189,7 @@ class NatPolicy:
             data=self.circuit_data_mib << 20,
             max_circuit_conns=self.max_circuits,
             max_reservations=self.max_reservations,
+            reservation_ttl=self.reservation_ttl_s,
         )
 
 
@@ -700,7 +704,7 @@ class Nat:
     def _relays_wanted(self) -> int:
         """How many relay slots we want: ``WANTED_RELAYS`` while private; one while not known
         yet and a server saw our address translated (a wrong hint holds it on the relay until
-        the slot expires there, an hour: not two); none otherwise."""
+        the slot expires there: not two); none otherwise."""
         reachability = self.status.reachability
         if reachability == "private":
             return WANTED_RELAYS
@@ -708,7 +712,7 @@ class Nat:
 
     def _give_up_reservations(self) -> None:
         """Found public: our relay slots go (their circuits leave our addresses, and libp2p
-        stops renewing them; the relay keeps the slot until it expires there, an hour)."""
+        stops renewing them; the relay keeps the slot until it expires there)."""
         if not self.status.reservations:
             return
         for relay in list(self.status.reservations):
