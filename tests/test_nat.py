@@ -5,6 +5,7 @@ Real hosts on 127.0.0.1. Nothing is behind a NAT here, so reachability is told
 relayed connection at once); the real thing, across real NATs, is in test_netbed_nat.py.
 """
 
+import errno
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -313,6 +314,21 @@ async def test_a_lying_or_broken_dial_back_server_changes_nothing(answer: dict[s
         await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
         assert await client.nat.check_reachability(client) == "unknown"
         assert client.nat.status.observed_ip is None
+
+
+async def test_a_host_whose_listeners_are_closing_says_its_last_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopping, libp2p's TCP transport asks each closed listener socket for its name and
+    gets EBADF: ``swarmtrain join`` died on Ctrl-C showing its status (exit 1, a traceback)."""
+    async with host(21, BEHIND_NAT) as node:
+        announced, listening = node.addrs(), node.transport_addrs()
+        assert announced and listening
+
+        def closed() -> list[object]:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+
+        monkeypatch.setattr(node._host, "get_transport_addrs", closed)
+        assert node.addrs() == announced and node.transport_addrs() == listening
+        assert node.nat._listen_ports() == []
 
 
 def test_a_wildcard_listener_is_announced_on_this_machines_addresses_never_loopback_or_0000() -> None:

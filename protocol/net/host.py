@@ -253,6 +253,8 @@ class Host:
         guard.on_ban = self._on_ban
         self._open_failures: dict[str, int] = {}
         """Per peer, streams in a row that did not open (open_stream)."""
+        self._listening: tuple[list[str], list[str]] = ([], [])
+        """The last addresses libp2p gave (``get_addrs``, ``get_transport_addrs``): see ``_listened``."""
         self.stuck_connections_closed = 0
 
     @property
@@ -272,9 +274,22 @@ class Host:
         A listener on a wildcard (0.0.0.0, ::) is announced on each of this machine's addresses of its family; behind
         a NAT, the port the router forwards (UPnP) and our relay circuit addresses come last.
         """
-        result = on_local_ips([str(a) for a in self._host.get_addrs()], with_loopback=True)
+        result = on_local_ips(self._listened()[0], with_loopback=True)
         result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.extra_addrs())
         return result
+
+    def _listened(self) -> tuple[list[str], list[str]]:
+        """libp2p's addresses for us (announced, then transport), or the last known while the
+        host stops: its TCP transport asks each listener's socket for its name, and a closed
+        one raises (EBADF: ``swarmtrain join`` died on Ctrl-C showing its status, exit 1)."""
+        try:
+            self._listening = (
+                [str(a) for a in self._host.get_addrs()],
+                [str(a) for a in self._host.get_transport_addrs()],
+            )
+        except OSError as exc:
+            logger.debug("our listeners are closing (%s): their last addresses", exc)
+        return self._listening
 
     def connection_type(self, peer_id: str) -> str | None:
         """ "direct", "relayed" (only through a relay) or None (not connected)."""
@@ -299,7 +314,7 @@ class Host:
 
     def transport_addrs(self) -> list[str]:
         """Addresses we listen on (no /p2p suffix)."""
-        return [str(a) for a in self._host.get_transport_addrs()]
+        return list(self._listened()[1])
 
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IP address (v4 or v6) on our direct TCP connection to it; None if relayed or none."""

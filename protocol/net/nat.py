@@ -608,7 +608,11 @@ class Nat:
 
     def _listen_ports(self) -> list[int]:
         ports = []
-        for addr in self._raw.get_transport_addrs():
+        try:
+            listening = self._raw.get_transport_addrs()
+        except OSError:  # a listener closed (the host stops): nothing to dial back
+            return []
+        for addr in listening:
             try:
                 ports.append(int(addr.value_for_protocol("tcp")))
             except (BaseLibp2pError, ValueError, multiaddr.exceptions.Error):
