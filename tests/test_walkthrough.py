@@ -67,10 +67,14 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
             # The join story shows training as it goes, once per round, and where it runs.
             await friend.expect("training: noloco on cpu: round")
             await friend.expect(f"round {ROUNDS} of {ROUNDS}")
+        # Each node finishes at its own last round: the first may be a round behind its
+        # friends (seen), and its training line comes up to a poll after that.
+        await first.expect("training finished")
+        await first.expect(f"training: noloco on cpu: round {ROUNDS} of {ROUNDS}")
 
         status = await status_of(first_dir)
         training = status["training"]
-        assert training["finished"] and training["rounds"] == ROUNDS and training["device"] == "cpu"
+        assert training["finished"] and training["rounds"] == ROUNDS and training["device"] == "cpu", training
         assert training["data_sha256"] == corpus.corpus_sha256(texts)  # the run trains on these files
         assert training["tokens"] > 0 and training["tokens_per_s"] > 0
         for i in range(2):
@@ -109,7 +113,11 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
             assert await proc.finish() == 0, proc.output
             assert "Traceback" not in proc.output
         await wait_until_gone(env["SWARMTRAIN_TEST_MARKER"])
-    finally:  # a failed assertion must not leave daemons behind
-        for proc in procs:
-            if proc.process.poll() is None:
-                proc.process.kill()
+    finally:  # a failed assertion must not leave daemons behind, nor their pipes open
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            for proc in procs:
+                if proc.process.poll() is None:
+                    proc.process.kill()
+                await proc.process.wait()
+                if proc.process.stdout is not None:
+                    await proc.process.stdout.aclose()
