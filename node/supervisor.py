@@ -61,8 +61,10 @@ class WorkerConnection:
         self._reading = trio.Lock()
         """One reader of the pipe at a time (an exchange may ``receive`` while
         ``saved_meanwhile`` reads: DiLoCo's asks its worker to accumulate)."""
-        self._failed: WorkerGone | None = None
-        """What ``saved_meanwhile`` met (it never raises: ``receive`` does, next)."""
+        self._failed: Exception | None = None
+        """What ``saved_meanwhile`` met (it never raises: ``receive`` does, next): a broken
+        pipe, or an offer that failed (``on_saved``'s error: the exchange beside it, with a
+        partner waiting on it, is not cut short for it)."""
 
     async def receive(self) -> dict[str, Any]:
         async with self._reading:
@@ -96,7 +98,11 @@ class WorkerConnection:
                 if message["t"] != "saved":
                     self._early = message  # for ``receive`` (waiting for the lock, or the next)
                     return
-                await self._take_saved(message)
+                try:
+                    await self._take_saved(message)
+                except Exception as exc:
+                    self._failed = exc
+                    return
 
     async def while_taking_saved(self, body: Callable[[], Awaitable[None]]) -> None:
         """``body()`` (a round's exchange) with ``saved_meanwhile`` beside it; what ``body``
@@ -159,9 +165,17 @@ class WorkerConnection:
 
 
 def _alone(exc: BaseException) -> BaseException:
-    """The one exception inside (nested) exception groups of one each, else ``exc``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
+    """The one exception inside (nested) exception groups of one each; one ``Cancelled``
+    where all inside are (a cancel from outside reached both tasks: an ``except
+    trio.Cancelled`` above would miss a group); else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+            continue
+        cancelled, rest = exc.split(trio.Cancelled)
+        if cancelled is None or rest is not None:
+            break
+        exc = cancelled.exceptions[0]
     return exc
 
 

@@ -92,3 +92,50 @@ async def test_what_an_exchange_raises_beside_the_taking_comes_out_as_itself() -
         assert "exited" in str(exc)
     else:
         raise AssertionError("nothing raised")
+
+
+async def test_a_cancel_from_outside_comes_out_as_one_cancelled() -> None:
+    """It reaches the exchange and the taking both: one ``Cancelled`` comes out, as from a
+    lone task, not a group an ``except trio.Cancelled`` above would miss."""
+    worker, _, _, _ = connection()
+    caught: list[BaseException] = []
+    with trio.CancelScope() as scope:
+
+        async def cancelled_from_outside() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            await trio.sleep_forever()
+
+        try:
+            await worker.while_taking_saved(cancelled_from_outside)
+        except trio.Cancelled as exc:
+            caught.append(exc)
+            raise
+    assert scope.cancelled_caught and len(caught) == 1
+
+
+async def test_an_offer_that_fails_during_an_exchange_is_raised_at_the_next_receive() -> None:
+    """The exchange ends as it would (a partner waits on it); the offer's error comes out
+    where the session reads next."""
+    worker, send, _, _ = connection()
+    broken = PermissionError("an offer's link")
+
+    async def offer_fails(message: dict[str, Any]) -> None:
+        raise broken
+
+    worker.on_saved = offer_fails
+    exchanged = []
+
+    async def exchange_goes_on() -> None:
+        await send.send_all(ipc.encode("saved", {"round": 5, "save_error": None}))
+        await trio.testing.wait_all_tasks_blocked()
+        exchanged.append(True)
+
+    await worker.while_taking_saved(exchange_goes_on)
+    assert exchanged
+    try:
+        await worker.receive()
+    except PermissionError as exc:
+        assert exc is broken
+    else:
+        raise AssertionError("nothing raised")
