@@ -297,6 +297,23 @@ async def test_a_server_seeing_us_on_our_own_ip_or_naming_no_ip_reserves_nothing
         assert client.nat._relays_wanted() == 0
 
 
+async def test_an_ipv4_address_a_server_reports_mapped_into_ipv6_is_the_ipv4_address() -> None:
+    """A dual-stack server's socket names an IPv4 asker ``::ffff:a.b.c.d``: the IP we are
+    seen on (the hint's and the verdict's) is compared with our own, which are IPv4."""
+
+    async def mapped(stream: Stream) -> None:
+        await wire.receive(stream, msg_types=frozenset({"dialback?"}), version=dialback.VERSION, max_nbytes=1024)
+        await wire.send(stream, "seen", dialback.VERSION, {"ip": "::ffff:127.0.0.1"})
+        await wire.send(stream, "dialback", dialback.VERSION, {"ok": [], "ip": "::ffff:127.0.0.1"})
+
+    async with host(23, RELAY) as server, host(24, nat.NatPolicy(hole_punch=False)) as client:
+        server.set_handler(dialback.PROTOCOL_ID, mapped)  # type: ignore[arg-type]
+        await client.connect(parse_dial_addr(server.addrs()[0]), timeout_s=5)
+        seen: list[str] = []
+        assert await dialback.ask(client, server.peer_id, [closed_port()], on_seen=seen.append) == (False, "127.0.0.1")
+        assert seen == ["127.0.0.1"]
+
+
 @pytest.mark.parametrize(
     "answer",
     [{"ok": [[1]], "ip": "127.0.0.1"}, {"ok": [], "ip": "not an ip"}, {"ok": "all", "ip": ""}, {"ok": list(range(9))}],

@@ -27,7 +27,6 @@ A fresh TCP connection is the honest test. How verdicts make a node public or pr
 protocol/net/nat.py's (``Nat.check_reachability``).
 """
 
-import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
+from protocol.net.addrs import plain_ip
 from protocol.net.hostlike import DirectHostLike, StreamLike
 
 logger = logging.getLogger(__name__)
@@ -151,8 +151,10 @@ async def ask(
 
 
 def _ip(text: str) -> str | None:
-    """``text`` as an IP address in its canonical form, or None if it is none."""
+    """``text`` as an IP address in its canonical form (an IPv4 address a dual-stack server
+    reports mapped into IPv6 is the IPv4 address, as our own are: ``addrs.plain_ip``), or
+    None if it is none."""
     try:
-        return str(ipaddress.ip_address(text))
+        return str(plain_ip(text))
     except ValueError:
         return None

@@ -692,12 +692,9 @@ class Nat:
         return reachability
 
     def _seen(self, host: DirectHostLike, ip: str) -> None:
-        """A dial-back server sees us on ``ip`` (before its verdict): if that is none of our
-        addresses, a NAT translates them, and we reserve relay slots without waiting."""
-        try:
-            ip = str(plain_ip(ip))  # as ours are (an IPv4 address a dual-stack socket maps into IPv6)
-        except ValueError:
-            return
+        """A dial-back server sees us on ``ip`` (before its verdict; canonical, as dialback
+        gives it): if that is none of our addresses, a NAT translates them, and we reserve
+        relay slots without waiting."""
         if self.status.translated is not None or ip in _our_ips(host):
             return
         logger.info("a peer sees us on %s, none of our addresses: behind a NAT, reserving relay slots now", ip)
