@@ -83,6 +83,31 @@ async def test_a_private_node_reserves_a_slot_and_announces_it() -> None:
         assert RELAY.reservation_ttl_s - 60 < expires - time.time() <= RELAY.reservation_ttl_s < 3600
 
 
+def libp2p_slots(node: Host) -> set[str]:
+    """The relay slots libp2p's refresher renews for ``node``."""
+    return {str(peer) for peer in node.nat._transport._reservations}
+
+
+async def test_a_slot_libp2p_let_expire_is_asked_for_again_not_announced_dead() -> None:
+    """A renewal that failed until the slot expired: libp2p drops it from its table (as
+    here), and we held it on in our status and addresses for good, a circuit the relay
+    answers NO_RESERVATION on (a second reader's probe, relay refusing for a 60 s TTL)."""
+    async with relay_and_two_private() as (relay, a, _):
+        before = a.nat.status.reservations[relay.peer_id]
+        a.nat._forget_slot(relay.peer_id)  # what libp2p's refresher does at the expiry
+        await wait_for(a.nat, lambda: a.nat.status.reservations.get(relay.peer_id) not in (None, before))
+        assert libp2p_slots(a) == set(a.nat.status.reservations) == {relay.peer_id}
+
+
+async def test_a_slot_on_a_relay_we_lost_is_not_renewed_behind_our_back() -> None:
+    """Our status dropped it, libp2p's refresher kept it and dialed the relay again to renew
+    it for good, public or not (a second reader's probe)."""
+    async with relay_and_two_private() as (relay, a, _):
+        await relay.disconnect(a.peer_id)
+        await wait_for(a.nat, lambda: relay.peer_id not in a.nat.status.reservations)
+        assert libp2p_slots(a) == set(a.nat.status.reservations)
+
+
 async def test_peers_reach_a_private_node_through_the_relay_for_control_traffic() -> None:
     async with relay_and_two_private() as (relay, a, b):
         serve_info(b, NodeInfo(b.peer_id, "trainer", ("run-abcdef",), "test"))

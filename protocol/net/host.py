@@ -279,9 +279,10 @@ class Host:
         return result
 
     def _listened(self) -> tuple[list[str], list[str]]:
-        """libp2p's addresses for us (announced, then transport), or the last known while the
-        host stops: its TCP transport asks each listener's socket for its name, and a closed
-        one raises (EBADF: ``swarmtrain join`` died on Ctrl-C showing its status, exit 1)."""
+        """libp2p's addresses for us (announced, then transport), or the last known while a
+        listener is closing: its TCP transport asks each listener's socket for its name, and
+        a closed one raises (EBADF: ``swarmtrain join`` died on Ctrl-C showing its status,
+        exit 1). Once libp2p has let its listeners go, none."""
         try:
             self._listening = (
                 [str(a) for a in self._host.get_addrs()],

@@ -764,12 +764,28 @@ class Nat:
             await _nap(news)
 
     def _drop_lost_relays(self) -> None:
+        """Our slots as libp2p holds them: one whose relay we lost the connection to goes
+        (and libp2p's refresher, which would dial the relay again to renew it for good, is
+        told); one libp2p dropped (a renewal failed until the slot expired) goes too, so it
+        is asked for again instead of announced dead; one libp2p renews that we do not hold
+        (forgotten while a renewal was under way, which wrote it back) is forgotten again."""
         connected = {p.to_base58() for p in self._raw.get_connected_peers()}
-        lost = [r for r in self.status.reservations if r not in connected]
-        for relay in lost:
-            logger.info("lost the connection to relay %s; its reservation is gone", relay)
+        table = getattr(self._transport, "_reservations", None)
+        held = {str(peer) for peer in table} if isinstance(table, dict) else None
+        gone = []
+        for relay in list(self.status.reservations):
+            if relay not in connected:
+                logger.info("lost the connection to relay %s; its reservation is gone", relay)
+            elif held is not None and relay not in held:
+                logger.info("our relay slot on %s expired (not renewed in time); asking again", relay)
+            else:
+                continue
+            self._forget_slot(relay)
             del self.status.reservations[relay]
-        if lost:
+            gone.append(relay)
+        for relay in (held or set()) - set(self.status.reservations):
+            self._forget_slot(relay)
+        if gone:
             self._notify()
 
     def _relay_candidates(self) -> list[str]:
