@@ -1,6 +1,8 @@
 """Human-readable views of a node: ``swarmtrain status`` and the running ``join`` story."""
 
 import logging
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -118,7 +120,15 @@ async def log_training_progress(daemon: "Daemon") -> None:
 
 
 def _say(text: str) -> None:
-    print(text, flush=True)
+    """A line for the person running ``swarmtrain join``. With their reader gone (``| head``
+    done, or a Ctrl-C that ended ``| tee`` first), the node goes on without a word instead
+    of dying of a BrokenPipeError: our stdout goes to /dev/null (Python's advice)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 async def show_join_progress(daemon: "Daemon", join_addr: str) -> None:

@@ -84,3 +84,21 @@ def test_a_download_and_a_replay_show_as_bars_and_reprint_each_tenth() -> None:
     a_bit_more = {**fetching, "download": [610_000_000, 1_200_000_000]}
     a_tenth_more = {**fetching, "download": [720_000_000, 1_200_000_000]}
     assert _round_of(a_bit_more) == _round_of(fetching) != _round_of(a_tenth_more)
+
+
+def test_the_join_story_goes_on_without_a_word_once_its_reader_is_gone() -> None:
+    """``swarmtrain join … | head``: after the reader left, the next line must not end the
+    node with a BrokenPipeError (a second reader's point, from the code)."""
+    import subprocess
+    import sys
+
+    script = "from node.progress import _say\nfor i in range(200): _say('x' * 1000)\nprint('went on', file=sys.stderr)"
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n" + script], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # the reader is gone before the first line
+    err = child.stderr.read()
+    child.stderr.close()
+    assert child.wait(timeout=60) == 0, err
+    assert b"went on" in err and b"BrokenPipeError" not in err

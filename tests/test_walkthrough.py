@@ -56,13 +56,14 @@ async def test_start_a_run_on_your_files_friends_join_train_together_export_and_
         status = await status_of(first_dir)
         addr = status["addrs"][0]
 
-        friends = [
-            await Proc.start(
-                ["join", addr, "--data-dir", str(short_tmp / f"friend{i}"), *LOOPBACK, "--data", str(texts)], env
+        friends: list[Proc] = []
+        for i in range(2):  # each in procs at once: the second's start may fail
+            friends.append(
+                await Proc.start(
+                    ["join", addr, "--data-dir", str(short_tmp / f"friend{i}"), *LOOPBACK, "--data", str(texts)], env
+                )
             )
-            for i in range(2)
-        ]
-        procs.extend(friends)
+            procs.append(friends[-1])
         for friend in friends:
             # The join story shows training as it goes, once per round, and where it runs.
             await friend.expect("training: noloco on cpu: round")
