@@ -10,7 +10,14 @@ import trio
 from node.algorithms.joining import StateOffers, vouched_round
 from node.algorithms.noloco import Noloco
 from node.daemon import Daemon
-from tests.adversarial.harness import finished, micro_noloco, run_with_a_late_joiner, start_trainers, until
+from tests.adversarial.harness import (
+    described,
+    finished,
+    micro_noloco,
+    run_with_a_late_joiner,
+    start_trainers,
+    until,
+)
 from tests.conftest import open_swarm
 
 ROUNDS = 30
@@ -58,7 +65,10 @@ async def test_a_late_joiner_starts_at_the_runs_round_from_a_peers_state(
         # the suite and under a CPU hog, it had a partner in 1-6 of its 26 rounds, then
         # refused its peers' drifted replicas; now in 17-25 of 20-26 under 2-3 CPU hogs).
         trained = len(status["loss_curve"])
-        assert 2 * status["rounds_with_partner"] > trained and status["payloads_refused"] == 0, status
+        assert 2 * status["rounds_with_partner"] > trained and status["payloads_refused"] == 0, (
+            f"joiner {late.peer_id[-6:]} refused {status['payloads_refused']}, pulled {status.get('rounds_pulled')}, "
+            f"shortened {status.get('rounds_shortened')}\n{described([*first, late])}"
+        )
 
 
 @pytest.mark.integration
@@ -92,6 +102,40 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
         assert dest.read_bytes() == saved.read_bytes()
         assert offers.service.offer.sha256 == hashlib.sha256(saved.read_bytes()).hexdigest()
         assert joiner.service.download is None  # the progress of a fetch ends with it
+
+
+@pytest.mark.integration
+async def test_a_resync_takes_no_state_from_a_peer_it_refused_but_counts_its_round(tmp_path: Path) -> None:
+    """A node that drifted refused R; its other peers are S, at the run's round, and D, a
+    straggler rounds behind. Vouched by S and D alone, the round was D's (the second
+    highest of two) and it took D's old state, then refused S as too far (a full run of the
+    suite: tests/test_joining.py's drift test, 4 payloads refused where 3 were expected).
+    R's round counts; R's state is never taken."""
+    from protocol.net.host import open_host, parse_dial_addr
+
+    def host(seed: int) -> Any:
+        return open_host(identity_seed=bytes([seed]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+
+    async with host(5) as refused, host(6) as source, host(7) as straggler, host(8) as drifter:
+        for name, node, round_index in (("r", refused, 9), ("s", source, 9), ("d", straggler, 4)):
+            saved = tmp_path / f"{name}.ckpt"
+            saved.write_bytes(f"{name}'s state of round {round_index} ".encode() * 100)
+            (tmp_path / name).mkdir()
+            offers = StateOffers(node, "run", tmp_path / name)
+            offers.register()
+            await offers.offer(saved, round_index)
+            await drifter.connect(parse_dial_addr(node.addrs()[0]), timeout_s=5)
+        states = StateOffers(drifter, "run", None)
+        dest = tmp_path / "joined.ckpt"
+        everyone = [refused.peer_id, source.peer_id, straggler.peer_id]
+        with trio.fail_after(60):  # the run's last round: no wait for a boundary
+            sources = [source.peer_id, straggler.peer_id]
+            assert await states.join(sources, dest, last_round=9, vouchers=everyone) == dest
+        assert states.joined_from == source.peer_id and dest.read_bytes().startswith(b"s's state of round 9")
+        # The straggler its only source: its old state, never the refused peer's.
+        with trio.fail_after(60):
+            assert await states.join([straggler.peer_id], dest, last_round=9, vouchers=everyone) == dest
+        assert states.joined_from == straggler.peer_id and dest.read_bytes().startswith(b"d's")
 
 
 @pytest.mark.integration
@@ -179,6 +223,16 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         undo = drift_what_it_receives(drifter)
         algorithm = drifter.training.algorithm
         assert isinstance(algorithm, Noloco)
+        refusals: list[tuple[object, ...]] = []  # (round, partner, why, resyncs then): for a failure's message
+        judge = algorithm.judge
+
+        async def judged(done: dict[str, Any]) -> None:
+            partner = algorithm._partner
+            await judge(done)
+            if isinstance(done.get("rejected"), str):
+                refusals.append((done.get("round"), partner and partner[-6:], done["rejected"], algorithm.resyncs))
+
+        algorithm.judge = judged  # type: ignore[method-assign]
         await until(nodes, lambda: algorithm.resyncs >= 1 or finished(drifter), timeout_s=TIMEOUT_S)
         undo()
         metrics = drifter.training.metrics
@@ -191,7 +245,32 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         assert status["joined_from"] in {n.peer_id for n in others}
         assert status["rounds"] == ROUNDS
         # Its peers' weights are its own again: partners' payloads are used, none refused.
-        assert drifter.training.metrics.payloads_refused == refused_before >= 2
+        assert drifter.training.metrics.payloads_refused == refused_before >= 2, (
+            f"{refusals}\n{drifter.peer_id[-6:]} drifted\n{described(nodes)}"
+        )
         assert drifter.training.metrics.rounds_with_partner > partnered_before
         bans = {(a.peer_id, b.peer_id) for a in nodes for b in nodes if a.peers.is_banned(b.peer_id)}
         assert not bans, f"{metrics}, {status}"
+
+
+def test_a_resync_takes_a_state_from_peers_it_refused_only_where_they_are_all_it_has_and_more_than_one() -> None:
+    """In a run of three, a node that drifted refused both its peers: they agree with each
+    other, not with it, so it takes one of their states (it never resynced before: a late
+    joiner in a full run of the suite refused its peers' payloads to the end of the run)."""
+    from types import SimpleNamespace
+
+    from node.algorithms.rounds import PayloadRounds
+
+    rounds = PayloadRounds.__new__(PayloadRounds)
+
+    def sources(partners: list[str], refused: set[str]) -> list[str]:
+        rounds.ctx = SimpleNamespace(partners=lambda: partners)  # type: ignore[assignment]
+        rounds.not_from = refused
+        return rounds._state_sources()
+
+    assert sources(["a", "b", "c"], {"a", "b"}) == ["c"]  # one we did not refuse
+    assert sources(["a", "b"], {"a", "b"}) == ["a", "b"]  # every peer refused, more than one: we drifted
+    assert sources(["a", "b"], {"a"}) == ["b"]
+    assert sources(["a"], {"a"}) == []  # a run of two: nobody to tell which of us drifted
+    assert sources(["a"], {"a", "b"}) == []  # the same once the other refused one is banned or gone
+    assert sources(["a", "b"], set()) == ["a", "b"]  # a joiner

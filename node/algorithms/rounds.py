@@ -193,8 +193,9 @@ class PayloadRounds:
         if not self._late or self.ctx.checkpoint_dir is None:
             return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        peers = [p for p in self.ctx.partners() if p not in self.not_from]
-        fetched = await self.states.join(peers, dest, last_round=self.ctx.run.rounds)
+        fetched = await self.states.join(
+            self._state_sources(), dest, last_round=self.ctx.run.rounds, vouchers=self.ctx.partners()
+        )
         if fetched is None and self._own_aside is not None:
             logger.warning("no peer offers its state: going on from our own (%s)", self._own_aside)
             fetched = self._own_aside
@@ -213,13 +214,25 @@ class PayloadRounds:
         if own is None or self.ctx.checkpoint_dir is None:
             logger.warning("our weights drifted from our peers' (%s), but we keep no state to replace", reason)
             return
-        if not any(p not in self.not_from for p in self.ctx.partners()):
+        if not self._state_sources():
             # A run of two: nobody else to tell which of us drifted, nor to take a state from.
             logger.warning("our weights and our peers' are far apart (%s); no other peer to take a state from", reason)
             return
         self._aside_reason = reason
         self.resyncs += 1
         raise RestartWorker(f"our weights drifted from our peers' ({reason}): taking a peer's state")
+
+    def _state_sources(self) -> list[str]:
+        """The peers a join (or a resync) takes a state from: those whose payloads we did not
+        refuse as too far from ours; where that is none and we have more than one, all of
+        them (they agree with each other, not with us: the replica that drifted is ours).
+        Without the second rule a node in a run of three that drifted refused both its peers
+        and never resynced: seen in a full run of the suite, a late joiner refused its peers'
+        payloads to the end of the run, a point each, and banned one of them."""
+        partners = self.ctx.partners()
+        others = [p for p in partners if p not in self.not_from]
+        # Counted among our partners now: one of the refused may be gone or banned since.
+        return others if others or len(partners) < 2 else partners
 
     async def _set_aside(self) -> None:
         """Before the worker starts again after ``_resync``: our state moved aside, so the
