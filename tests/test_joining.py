@@ -105,40 +105,6 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
 
 
 @pytest.mark.integration
-async def test_a_resync_takes_no_state_from_a_peer_it_refused_but_counts_its_round(tmp_path: Path) -> None:
-    """A node that drifted refused R; its other peers are S, at the run's round, and D, a
-    straggler rounds behind. Vouched by S and D alone, the round was D's (the second
-    highest of two) and it took D's old state, then refused S as too far (a full run of the
-    suite: tests/test_joining.py's drift test, 4 payloads refused where 3 were expected).
-    R's round counts; R's state is never taken."""
-    from protocol.net.host import open_host, parse_dial_addr
-
-    def host(seed: int) -> Any:
-        return open_host(identity_seed=bytes([seed]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
-
-    async with host(5) as refused, host(6) as source, host(7) as straggler, host(8) as drifter:
-        for name, node, round_index in (("r", refused, 9), ("s", source, 9), ("d", straggler, 4)):
-            saved = tmp_path / f"{name}.ckpt"
-            saved.write_bytes(f"{name}'s state of round {round_index} ".encode() * 100)
-            (tmp_path / name).mkdir()
-            offers = StateOffers(node, "run", tmp_path / name)
-            offers.register()
-            await offers.offer(saved, round_index)
-            await drifter.connect(parse_dial_addr(node.addrs()[0]), timeout_s=5)
-        states = StateOffers(drifter, "run", None)
-        dest = tmp_path / "joined.ckpt"
-        everyone = [refused.peer_id, source.peer_id, straggler.peer_id]
-        with trio.fail_after(60):  # the run's last round: no wait for a boundary
-            sources = [source.peer_id, straggler.peer_id]
-            assert await states.join(sources, dest, last_round=9, vouchers=everyone) == dest
-        assert states.joined_from == source.peer_id and dest.read_bytes().startswith(b"s's state of round 9")
-        # The straggler its only source: its old state, never the refused peer's.
-        with trio.fail_after(60):
-            assert await states.join([straggler.peer_id], dest, last_round=9, vouchers=everyone) == dest
-        assert states.joined_from == straggler.peer_id and dest.read_bytes().startswith(b"d's")
-
-
-@pytest.mark.integration
 async def test_a_starting_node_asks_whether_anyone_is_ahead_without_waiting_on_a_silent_peer(tmp_path: Path) -> None:
     """One peer that never answers (behind a NAT, not yet directly connected: it kept three
     of four nodes 10 s, the header's timeout, while the fourth started 14 s ahead of

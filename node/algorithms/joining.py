@@ -147,15 +147,10 @@ class StateOffers:
             logger.info("asked whether anyone is past round 0: not all answered in %.0f s; starting", AHEAD_ASK_S)
         return bool(heads)
 
-    async def join(
-        self, partners: list[str], dest: Path, *, last_round: int, vouchers: list[str] | None = None
-    ) -> Path | None:
-        """Fetch the state of the run's current round into ``dest`` from one of ``partners``,
-        right after its peers' next boundary (the run's ``last_round`` has none); None if
-        nobody is ahead. The round is the one ``vouchers`` (default: ``partners``) vouch for:
-        a node that drifted takes no state from the peers it refused, but their rounds count
-        (without them, its two other peers' second-highest round was a straggler's)."""
-        heads = await self._heads(partners if vouchers is None else sorted(set(vouchers) | set(partners)))
+    async def join(self, partners: list[str], dest: Path, *, last_round: int) -> Path | None:
+        """Fetch the state of the run's current round into ``dest``, right after its peers'
+        next boundary (the run's ``last_round`` has none); None if nobody is ahead."""
+        heads = await self._heads(partners)
         target = vouched_round(list(heads.values()))
         if target is None:
             return None
@@ -167,11 +162,10 @@ class StateOffers:
                     newer = await self._heads(watched)
                     moved = vouched_round(list(newer.values()))
                     if moved is not None and moved > target:
-                        heads, target = {**heads, **newer}, moved  # the unwatched may be our sources
+                        heads, target = newer, moved
                         break
         # Nearest at or below the vouched round first (they may have moved on since).
-        sources = set(partners)
-        for peer_id in sorted((p for p, r in heads.items() if r <= target and p in sources), key=lambda p: -heads[p]):
+        for peer_id in sorted((p for p, r in heads.items() if r <= target), key=lambda p: -heads[p]):
             try:
                 offer = await self.service.fetch(peer_id, dest)
             except ProtocolError as exc:

@@ -193,9 +193,7 @@ class PayloadRounds:
         if not self._late or self.ctx.checkpoint_dir is None:
             return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        fetched = await self.states.join(
-            self._state_sources(), dest, last_round=self.ctx.run.rounds, vouchers=self.ctx.partners()
-        )
+        fetched = await self.states.join(self._state_sources(), dest, last_round=self.ctx.run.rounds)
         if fetched is None and self._own_aside is not None:
             logger.warning("no peer offers its state: going on from our own (%s)", self._own_aside)
             fetched = self._own_aside
