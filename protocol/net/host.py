@@ -19,7 +19,7 @@ Choices, each measured or learned in ../shared/probes:
 """
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -234,6 +234,18 @@ class Stream:
                 logger.debug("resetting stream to %s: %s", self.peer_id, exc)
 
 
+def _or_last(read: Callable[[], Sequence[multiaddr.Multiaddr]], last: list[str]) -> list[str]:
+    """libp2p's addresses for us, or ``last`` while a listener is closing: its TCP transport
+    asks each listener's socket for its name, and a closed one raises (EBADF: ``swarmtrain
+    join`` died on Ctrl-C showing its status, exit 1). Once libp2p has let its listeners
+    go, none."""
+    try:
+        return [str(a) for a in read()]
+    except OSError as exc:
+        logger.debug("our listeners are closing (%s): their last addresses", exc)
+        return last
+
+
 class Host:
     """A running libp2p host with its DHT and GossipSub; create it with ``open_host``."""
 
@@ -253,8 +265,9 @@ class Host:
         guard.on_ban = self._on_ban
         self._open_failures: dict[str, int] = {}
         """Per peer, streams in a row that did not open (open_stream)."""
-        self._listening: tuple[list[str], list[str]] = ([], [])
-        """The last addresses libp2p gave (``get_addrs``, ``get_transport_addrs``): see ``_listened``."""
+        self._announced: list[str] = []
+        self._listening: list[str] = []
+        """The last addresses libp2p gave (``get_addrs``, ``get_transport_addrs``): see ``_or_last``."""
         self.stuck_connections_closed = 0
 
     @property
@@ -274,23 +287,10 @@ class Host:
         A listener on a wildcard (0.0.0.0, ::) is announced on each of this machine's addresses of its family; behind
         a NAT, the port the router forwards (UPnP) and our relay circuit addresses come last.
         """
-        result = on_local_ips(self._listened()[0], with_loopback=True)
+        self._announced = _or_last(self._host.get_addrs, self._announced)
+        result = on_local_ips(list(self._announced), with_loopback=True)
         result.extend(f"{a}/p2p/{self.peer_id}" for a in self.nat.extra_addrs())
         return result
-
-    def _listened(self) -> tuple[list[str], list[str]]:
-        """libp2p's addresses for us (announced, then transport), or the last known while a
-        listener is closing: its TCP transport asks each listener's socket for its name, and
-        a closed one raises (EBADF: ``swarmtrain join`` died on Ctrl-C showing its status,
-        exit 1). Once libp2p has let its listeners go, none."""
-        try:
-            self._listening = (
-                [str(a) for a in self._host.get_addrs()],
-                [str(a) for a in self._host.get_transport_addrs()],
-            )
-        except OSError as exc:
-            logger.debug("our listeners are closing (%s): their last addresses", exc)
-        return self._listening
 
     def connection_type(self, peer_id: str) -> str | None:
         """ "direct", "relayed" (only through a relay) or None (not connected)."""
@@ -315,7 +315,8 @@ class Host:
 
     def transport_addrs(self) -> list[str]:
         """Addresses we listen on (no /p2p suffix)."""
-        return list(self._listened()[1])
+        self._listening = _or_last(self._host.get_transport_addrs, self._listening)
+        return list(self._listening)
 
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IP address (v4 or v6) on our direct TCP connection to it; None if relayed or none."""
