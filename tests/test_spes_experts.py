@@ -356,3 +356,44 @@ async def test_an_owner_that_skips_rounds_publishes_again_as_of_the_last_skipped
     # Without the versions as of round 5, the rule would take its experts.
     before = Progress(newest={peer_id: 3}, reported={peer_id: 6}, answered={peer_id: (10, now)})
     assert lapsed(peer_id, 0, before, our_round=10, lapse_rounds=2, now=now)
+
+
+async def test_a_peer_whose_asks_hang_keeps_nobody_else_from_being_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose cable was pulled answers nothing: its ask hangs until HEADER_TIMEOUT_S,
+    as long as an owner may stay silent before it lapses (leases.SILENT_S). Were the asks of
+    a look waited for together, every other owner's last answer would then be that old at
+    each look, and they would lapse by turns: each is asked again while the hung one is."""
+    monkeypatch.setattr(experts, "HEADER_TIMEOUT_S", 3600.0)  # the hung ask outlives the test
+    seed_c = b"\x0c" * 32
+    hung, released = trio.Event(), trio.Event()
+    served = 0
+    asked_thrice = trio.Event()
+    async with (
+        two_hosts() as (a, b),
+        open_host(identity_seed=seed_c, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as c,
+    ):
+        await b.connect(parse_dial_addr(c.addrs()[0]), timeout_s=10)
+        owner, fetcher = stores(a, b)
+        owner.publish(SEED_A, 1, 3, bytes([7]) * NBYTES)
+
+        async def counted(stream: Stream) -> None:
+            nonlocal served
+            await owner._serve(stream)
+            served += 1
+            if served >= 3:
+                asked_thrice.set()
+
+        async def silent(stream: Stream) -> None:
+            hung.set()
+            await released.wait()
+
+        a.set_handler(experts.PROTOCOL_ID, counted, deadline_s=3600.0)
+        c.set_handler(experts.PROTOCOL_ID, silent, deadline_s=3600.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetcher.sync_forever, lambda: [c.peer_id, a.peer_id], lambda h: True)
+            with trio.fail_after(TIMEOUT_S):
+                await hung.wait()
+                await asked_thrice.wait()  # while the ask of c still hangs
+            assert a.peer_id in fetcher.answered and c.peer_id not in fetcher.answered
+            released.set()
+            nursery.cancel_scope.cancel()

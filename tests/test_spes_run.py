@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 
 from node.algorithms.spes import Spes
 from node.daemon import Daemon
@@ -80,23 +81,32 @@ async def test_each_node_trains_only_its_experts_and_fetches_the_others(short_tm
 
 async def test_a_killed_owners_experts_are_taken_over_by_the_survivors(short_tmp: Path) -> None:
     """How many rounds the take-over costs depends on round length against the silence and
-    liveness bounds, so it is measured by bench/spes.py; here: it happens, while training."""
+    liveness bounds, so it is measured by bench/spes.py; here: it happens, while training,
+    and the load ends even. Even at the end, not at the first moment every expert is held: a
+    survivor that looks gone for a moment (the tests' 3 s liveness against a loaded machine's
+    pauses) loses its experts to the other and takes half back by the balance rule; once seen
+    in a full run, [0, 8] where [4, 4] was then asserted."""
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 3, {**TRAINING, "run__settings__rounds": 1000}, run_name="spes")
         *survivors, victim = nodes
         await until(nodes, lambda: rounds_done(victim) >= 2 and bool(spes_of(victim).owned), timeout_s=TIMEOUT_S)
         swarm.kill(victim)
 
+        def owned() -> list[set[int]]:
+            return [set(spes_of(s).owned) for s in survivors]
+
         def taken_over() -> bool:
             for node in survivors:
                 leases = node.run_service.state.leases if node.run_service else {}
                 if victim.peer_id in {lease.owner for lease in leases.values()}:
                     return False
-            owned = [set(spes_of(s).owned) for s in survivors]
-            return set().union(*owned) == set(range(NUM_EXPERTS)) and sum(map(len, owned)) == NUM_EXPERTS
+            return set().union(*owned()) == set(range(NUM_EXPERTS)) and sorted(map(len, owned())) == [4, 4]
 
-        await until(survivors, taken_over, timeout_s=TIMEOUT_S)
-        assert sorted(len(spes_of(s).owned) for s in survivors) == [4, 4]
+        try:
+            await until(survivors, taken_over, timeout_s=TIMEOUT_S)
+        except trio.TooSlowError:
+            releases = [[r.report() for r in spes_of(s).keeper.releases] for s in survivors]
+            pytest.fail(f"not taken over evenly: owned {owned()}, releases seen {releases}")
         assert any(r.from_peer == victim.peer_id for s in survivors for r in spes_of(s).keeper.releases)
 
 

@@ -363,9 +363,13 @@ class ExpertStore:
         """Ask every live trainer for its heads every SYNC_INTERVAL_S, and fetch each wanted
         version newer than ours in the background, one fetch per expert at a time, from a
         holder that listed it (a random one: owners are not the only ones serving). The
-        asking never waits for a fetch: a slow transfer (or a holder trickling bytes) must
-        not make the owners look silent."""
+        asking never waits for a fetch, nor one peer's ask for another's: a slow transfer, a
+        holder trickling bytes, or a peer whose cable was pulled (its ask hangs until
+        HEADER_TIMEOUT_S, as long as SILENT_S) must not make the owners look silent."""
         fetching: set[int] = set()
+        asking: set[str] = set()
+        answers: dict[str, list[Head]] = {}
+        """Each peer's heads since the last look (each answer is looked at once)."""
 
         async def get(head: Head, holders: list[str]) -> None:
             try:
@@ -373,13 +377,30 @@ class ExpertStore:
             finally:
                 fetching.discard(head.expert)
 
+        async def ask(peer_id: str) -> None:
+            try:
+                answers[peer_id] = (await self.heads(peer_id))[1]
+            except ProtocolError as exc:
+                logger.debug("no expert heads from %s: %s", peer_id, exc)
+            finally:
+                asking.discard(peer_id)
+
         async with trio.open_nursery() as nursery:
             while True:
                 if self.expert_nbytes:
-                    for head, holders in self._choose(await self._ask_all(partners()), wanted):
+                    offers: dict[Head, list[str]] = {}
+                    for peer_id, heads in answers.items():
+                        for head in heads:
+                            offers.setdefault(head, []).append(peer_id)
+                    answers.clear()
+                    for head, holders in self._choose(offers, wanted):
                         if head.expert not in fetching:
                             fetching.add(head.expert)
                             nursery.start_soon(get, head, holders)
+                    for peer_id in partners():
+                        if peer_id not in asking:
+                            asking.add(peer_id)
+                            nursery.start_soon(ask, peer_id)
                 await trio.sleep(SYNC_INTERVAL_S)
 
     async def sync_once(self, peers: list[str], wanted: Callable[[Head], bool]) -> None:

@@ -223,14 +223,21 @@ class LeaseKeeper:
         held: dict[str, int] = {}
         for lease in self.view().values():
             held[lease.owner] = max(held.get(lease.owner, -1), self._first_seen.get(lease, our_round))
-        others = [
-            p
-            for p in trainers
-            if p != self.peer_id
-            and not self._banned(p)
-            and (progress.training is None or progress.training.get(p, True))
-            and not lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now)
-        ]
+
+        def why_not(p: str) -> str | None:
+            if self._banned(p):
+                return "banned"
+            if progress.training is not None and not progress.training.get(p, True):
+                return "finished its rounds"
+            if lapsed(p, held.get(p), progress, our_round, self._lapse_rounds, now=now):
+                return "lapsed: silent or missing its rounds"
+            return None
+
+        reasons = {p: why_not(p) for p in trainers if p != self.peer_id}
+        others = [p for p, reason in reasons.items() if reason is None]
+        for peer in sorted(self._active - {self.peer_id, *others}):
+            # Why an owner's experts may move (a flapping peer shows here first).
+            logger.info("round %d: %s counts as active no more (%s)", our_round, peer, reasons.get(peer) or "not live")
         self._active = {self.peer_id, *others}
         self._now = now
         suspects, self._suspects = self._suspects, []
