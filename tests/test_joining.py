@@ -177,7 +177,16 @@ def drift_what_it_receives(daemon: Daemon) -> Callable[[], None]:
 async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pairs_again(short_tmp: Path) -> None:
     """A node whose worker refuses two partners in a row as too far from its own weights is
     the one that drifted: it takes a peer's state (as a joiner does) instead of training on
-    alone, refused by everyone, to the end of the run."""
+    alone, refused by everyone, to the end of the run.
+
+    What the resync promises, asserted: the partner payloads that come after it are used
+    (the first one and most), its replica never drifts far enough again to resync, nobody
+    is banned. Not that no payload is ever refused again: it restarts its worker, comes
+    back rounds behind and skips rounds to catch up (their steps not taken), as a straggler
+    does, and a replica that skipped rounds can drift near the bound honestly. Seen (1 in 10
+    runs beside 2 CPU hogs, ~1 in 3 full runs of the suite): the state came from a peer that
+    had skipped 10 rounds itself, the drifter skipped 10 after its restart, and at round 28
+    it refused an honest partner at 16.9 of its updates away (the bound is 16)."""
     async with open_swarm(short_tmp) as swarm:
         nodes = await start_trainers(swarm, 4, DRIFT_TRAINING, run_name="drift")
         await until(nodes, lambda: all(rounds_done(n) >= 2 for n in nodes), timeout_s=TIMEOUT_S)
@@ -189,31 +198,37 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         undo = drift_what_it_receives(drifter)
         algorithm = drifter.training.algorithm
         assert isinstance(algorithm, Noloco)
-        refusals: list[tuple[object, ...]] = []  # (round, partner, why, resyncs then): for a failure's message
+        # (round, partner, refusal or None where used, resyncs then) of each round with a partner.
+        outcomes: list[tuple[object, ...]] = []
         judge = algorithm.judge
 
         async def judged(done: dict[str, Any]) -> None:
             partner = algorithm._partner
             await judge(done)
-            if isinstance(done.get("rejected"), str):
-                refusals.append((done.get("round"), partner and partner[-6:], done["rejected"], algorithm.resyncs))
+            rejected = done.get("rejected")
+            if partner is not None:
+                why = rejected if isinstance(rejected, str) else None if done.get("used_peer") is True else "unused"
+                outcomes.append((done.get("round"), partner[-6:], why, algorithm.resyncs))
 
         algorithm.judge = judged  # type: ignore[method-assign]
         await until(nodes, lambda: algorithm.resyncs >= 1 or finished(drifter), timeout_s=TIMEOUT_S)
         undo()
         metrics = drifter.training.metrics
         assert algorithm.resyncs == 1, f"{metrics}, {algorithm.status()}"
-        refused_before = drifter.training.metrics.payloads_refused
         partnered_before = drifter.training.metrics.rounds_with_partner
         await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
         status = drifter.training.status()
         assert status is not None
         assert status["joined_from"] in {n.peer_id for n in others}
         assert status["rounds"] == ROUNDS
-        # Its peers' weights are its own again: partners' payloads are used, none refused.
-        assert drifter.training.metrics.payloads_refused == refused_before >= 2, (
-            f"{refusals}\n{drifter.peer_id[-6:]} drifted\n{described(nodes)}"
-        )
+        said = f"{outcomes}\n{drifter.peer_id[-6:]} drifted\n{described(nodes)}"
+        before = [o for o in outcomes if o[3] == 0]
+        after = [o for o in outcomes if o[3] == 1]
+        assert sum(o[2] not in (None, "unused") for o in before) >= 2, said
+        # Its peers' weights are its own again: partners' payloads are used.
+        assert after and after[0][2] is None, said
+        assert 2 * sum(o[2] is None for o in after) > len(after), said
+        assert algorithm.resyncs == 1, said
         assert drifter.training.metrics.rounds_with_partner > partnered_before
         bans = {(a.peer_id, b.peer_id) for a in nodes for b in nodes if a.peers.is_banned(b.peer_id)}
         assert not bans, f"{metrics}, {status}"
