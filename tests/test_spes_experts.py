@@ -358,42 +358,56 @@ async def test_an_owner_that_skips_rounds_publishes_again_as_of_the_last_skipped
     assert lapsed(peer_id, 0, before, our_round=10, lapse_rounds=2, now=now)
 
 
-async def test_a_peer_whose_asks_hang_keeps_nobody_else_from_being_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peer whose cable was pulled answers nothing: its ask hangs until HEADER_TIMEOUT_S,
-    as long as an owner may stay silent before it lapses (leases.SILENT_S). Were the asks of
-    a look waited for together, every other owner's last answer would then be that old at
-    each look, and they would lapse by turns: each is asked again while the hung one is."""
+@asynccontextmanager
+async def beside_a_hung_peer(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Host, Host, ExpertStore]]:
+    """(a, c, b's store): a owns expert 1's version, c never answers an ask (its cable was
+    pulled: the ask hangs until HEADER_TIMEOUT_S, as long as an owner may stay silent
+    before it lapses, leases.SILENT_S); b's store syncs from both until the block ends."""
     monkeypatch.setattr(experts, "HEADER_TIMEOUT_S", 3600.0)  # the hung ask outlives the test
-    seed_c = b"\x0c" * 32
-    hung, released = trio.Event(), trio.Event()
-    served = 0
-    asked_thrice = trio.Event()
+    released = trio.Event()
     async with (
         two_hosts() as (a, b),
-        open_host(identity_seed=seed_c, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as c,
+        open_host(identity_seed=b"\x0c" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as c,
     ):
         await b.connect(parse_dial_addr(c.addrs()[0]), timeout_s=10)
         owner, fetcher = stores(a, b)
         owner.publish(SEED_A, 1, 3, bytes([7]) * NBYTES)
-
-        async def counted(stream: Stream) -> None:
-            nonlocal served
-            await owner._serve(stream)
-            served += 1
-            if served >= 3:
-                asked_thrice.set()
-
-        async def silent(stream: Stream) -> None:
-            hung.set()
-            await released.wait()
-
-        a.set_handler(experts.PROTOCOL_ID, counted, deadline_s=3600.0)
-        c.set_handler(experts.PROTOCOL_ID, silent, deadline_s=3600.0)
+        c.set_handler(experts.PROTOCOL_ID, lambda stream: released.wait(), deadline_s=3600.0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fetcher.sync_forever, lambda: [c.peer_id, a.peer_id], lambda h: True)
-            with trio.fail_after(TIMEOUT_S):
-                await hung.wait()
-                await asked_thrice.wait()  # while the ask of c still hangs
-            assert a.peer_id in fetcher.answered and c.peer_id not in fetcher.answered
+            yield a, c, fetcher
+            assert c.peer_id not in fetcher.answered  # its ask hung all along
             released.set()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_whose_asks_hang_keeps_nobody_else_from_being_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were the asks of a look waited for together, every other owner's last answer would
+    be HEADER_TIMEOUT_S old at each look, and they would lapse by turns."""
+    asked = 0
+    three = trio.Event()
+    async with beside_a_hung_peer(monkeypatch) as (a, _, fetcher):
+        heads = fetcher.heads
+
+        async def counted(peer_id: str) -> tuple[int, list[Head]]:
+            nonlocal asked
+            answer = await heads(peer_id)
+            asked += peer_id == a.peer_id
+            if asked >= 3:
+                three.set()
+            return answer
+
+        fetcher.heads = counted  # type: ignore[method-assign]
+        with trio.fail_after(TIMEOUT_S):
+            await three.wait()
+
+
+async def test_a_version_an_answer_lists_is_fetched_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not at the next look (a second reader measured each fetch starting SYNC_INTERVAL_S
+    later when answers waited for it), nor after the hung peer's ask."""
+    monkeypatch.setattr(experts, "SYNC_INTERVAL_S", 3600.0)  # one look: what it starts must do
+    async with beside_a_hung_peer(monkeypatch) as (a, _, fetcher):
+        with trio.fail_after(TIMEOUT_S):
+            while 1 not in fetcher.held:
+                await fetcher.changed.wait()
+        assert fetcher.held[1].head.owner == a.peer_id

@@ -72,8 +72,11 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    back for good. It also slept until the soonest slot *it had*, past a shorter slot
    reserved meanwhile, and a renewal whose connection hung held every other slot's up. Now
    a failed renewal is tried again after ``RENEW_RETRY_S`` (1, 2, 4, then 8 s), a relay is
-   renewed at most every ``MIN_RENEW_GAP_S``, a renewal gives up after ``RENEW_TIMEOUT_S``,
-   and the refresher looks again at least every ``RESERVATION_REFRESH_INTERVAL`` (10 s). Test:
+   renewed at most every ``MIN_RENEW_GAP_S``, a renewal gives up after ``RENEW_TIMEOUT_S``
+   (its stream reset: the timeout cuts libp2p's own read of the answer short), a slot
+   forgotten meanwhile (protocol/net/nat.py) is not renewed back into the table, and the
+   refresher looks again every ``RESERVATION_REFRESH_INTERVAL`` (10 s) or sooner, between
+   renewals (which run one after another). Test:
    tests/test_relay_refresher.py (fails without: the tries of a failing renewal counted).
 """
 
@@ -258,6 +261,25 @@ async def _yamux_stream_reset(self: YamuxStream) -> None:
         await self.conn._finalize_stream(self, fully_closed=True)
 
 
+async def _renew(transport: _relay_transport.CircuitV2Transport, relay: ID) -> bool:
+    """One renewal, in ``RENEW_TIMEOUT_S``; its stream closed, or reset if it was cut."""
+    stream = None
+    closed = False
+    try:
+        with trio.move_on_after(RENEW_TIMEOUT_S):
+            stream = await transport.host.new_stream(relay, [_RELAY_HOP_ID])
+            renewed = bool(await transport._make_reservation(stream, relay))
+            await stream.close()
+            closed = True
+            return renewed
+    except Exception as exc:  # libp2p's own refresher's net: any failure of one renewal
+        logger.debug("renewing the relay slot on %s: %s", relay, exc)
+    finally:
+        if stream is not None and not closed:
+            await _reset(stream)
+    return False
+
+
 async def _relay_refresher(self: _relay_transport.CircuitV2Transport) -> None:
     """0.8.1's ``_refresh_reservations_worker`` with pauses (fix 9)."""
     margin = float(_relay_transport.RESERVATION_REFRESH_MARGIN)
@@ -280,16 +302,9 @@ async def _relay_refresher(self: _relay_transport.CircuitV2Transport) -> None:
             for relay in set(next_try) - set(self._reservations):
                 next_try.pop(relay, None)
             for relay, expires in list(self._reservations.items()):
-                if due(relay, expires) > now:
-                    continue
-                renewed = False
-                with trio.move_on_after(RENEW_TIMEOUT_S):
-                    try:
-                        stream = await self.host.new_stream(relay, [_RELAY_HOP_ID])
-                        renewed = await self._make_reservation(stream, relay)
-                        await stream.close()
-                    except Exception as exc:  # libp2p's own refresher's net: any failure of one renewal
-                        logger.debug("renewing the relay slot on %s: %s", relay, exc)
+                if relay not in self._reservations or due(relay, expires) > now:
+                    continue  # (forgotten by protocol/net/nat.py while another renewal ran)
+                renewed = await _renew(self, relay)
                 if renewed:
                     failures.pop(relay, None)
                     next_try[relay] = _wall() + MIN_RENEW_GAP_S

@@ -365,39 +365,49 @@ class ExpertStore:
         holder that listed it (a random one: owners are not the only ones serving). The
         asking never waits for a fetch, nor one peer's ask for another's: a slow transfer, a
         holder trickling bytes, or a peer whose cable was pulled (its ask hangs until
-        HEADER_TIMEOUT_S, as long as SILENT_S) must not make the owners look silent."""
+        HEADER_TIMEOUT_S, as long as SILENT_S) must not make the owners look silent. Each
+        answer is looked at when it comes (a fetch starts at once), with every live peer's
+        latest answer to find the other holders."""
         fetching: set[int] = set()
         asking: set[str] = set()
-        answers: dict[str, list[Head]] = {}
-        """Each peer's heads since the last look (each answer is looked at once)."""
-
-        async def get(head: Head, holders: list[str]) -> None:
-            try:
-                await self._get(head, holders)
-            finally:
-                fetching.discard(head.expert)
-
-        async def ask(peer_id: str) -> None:
-            try:
-                answers[peer_id] = (await self.heads(peer_id))[1]
-            except ProtocolError as exc:
-                logger.debug("no expert heads from %s: %s", peer_id, exc)
-            finally:
-                asking.discard(peer_id)
+        latest: dict[str, list[Head]] = {}
+        """Each live peer's heads, as it last answered."""
 
         async with trio.open_nursery() as nursery:
+
+            async def get(head: Head, holders: list[str]) -> None:
+                try:
+                    await self._get(head, holders)
+                finally:
+                    fetching.discard(head.expert)
+
+            def fetch_wanted() -> None:
+                offers: dict[Head, list[str]] = {}
+                for peer_id, heads in latest.items():
+                    for head in heads:
+                        offers.setdefault(head, []).append(peer_id)
+                for head, holders in self._choose(offers, wanted):
+                    if head.expert not in fetching:
+                        fetching.add(head.expert)
+                        nursery.start_soon(get, head, holders)
+
+            async def ask(peer_id: str) -> None:
+                try:
+                    latest[peer_id] = (await self.heads(peer_id))[1]
+                except ProtocolError as exc:
+                    logger.debug("no expert heads from %s: %s", peer_id, exc)
+                    return
+                finally:
+                    asking.discard(peer_id)
+                if self.expert_nbytes:
+                    fetch_wanted()
+
             while True:
                 if self.expert_nbytes:
-                    offers: dict[Head, list[str]] = {}
-                    for peer_id, heads in answers.items():
-                        for head in heads:
-                            offers.setdefault(head, []).append(peer_id)
-                    answers.clear()
-                    for head, holders in self._choose(offers, wanted):
-                        if head.expert not in fetching:
-                            fetching.add(head.expert)
-                            nursery.start_soon(get, head, holders)
-                    for peer_id in partners():
+                    live = partners()
+                    for peer_id in set(latest) - set(live):
+                        del latest[peer_id]
+                    for peer_id in live:
                         if peer_id not in asking:
                             asking.add(peer_id)
                             nursery.start_soon(ask, peer_id)
