@@ -23,7 +23,7 @@ from node.launch import (
     run_daemon,
     with_exit_codes,
 )
-from node.simulate import SimulationOptions, simulate
+from node.simulate import NAT_SETTLE_S, SimulationOptions, simulate
 from training import settings
 
 
@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--symmetric-nats", type=int, default=0, metavar="K", help="with --topology nat: K NATs randomise ports"
     )
+    sim.add_argument(
+        "--nat-settle-s",
+        type=float,
+        default=NAT_SETTLE_S,
+        metavar="S",
+        help=f"with --topology nat: a pair relayed S s after all connected is final (default {NAT_SETTLE_S:g})",
+    )
     return parser
 
 
@@ -192,6 +199,7 @@ def _command(args: argparse.Namespace) -> int:
                 late_join=args.late_join,
                 topology=args.topology,
                 symmetric_nats=args.symmetric_nats,
+                nat_settle_s=args.nat_settle_s,
                 device=args.device,
                 link_mbps=args.link_mbps,
                 slow_node=args.slow_node,

@@ -9,7 +9,7 @@ import pytest
 from node import cli, launch
 from node import config as config_module
 from node.errors import ConfigError
-from node.simulate import SimulationOptions
+from node.simulate import NAT_SETTLE_S, SimulationOptions
 from node.training import adopt
 from protocol.runstate.state import Manifest
 from training import settings
@@ -130,3 +130,12 @@ def test_simulate_caps_every_trainers_uploads_with_link_mbps() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="--link-mbps"):
             SimulationOptions(link_mbps=bad)
+
+
+def test_simulate_takes_how_long_a_relayed_pair_may_settle() -> None:
+    args = cli.build_parser().parse_args(["simulate", "--topology", "nat", "--nat-settle-s", "30"])
+    assert args.nat_settle_s == 30.0
+    assert cli.build_parser().parse_args(["simulate"]).nat_settle_s == NAT_SETTLE_S
+    for bad in (-1.0, float("nan"), 1e9):
+        with pytest.raises(ConfigError, match="--nat-settle-s"):
+            SimulationOptions(nat_settle_s=bad)

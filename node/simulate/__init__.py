@@ -98,6 +98,9 @@ class SimulationOptions:
     topology: str = "loopback"
     symmetric_nats: int = 0
     """With --topology nat: this many NATs (the last ones) randomise ports."""
+    nat_settle_s: float = NAT_SETTLE_S
+    """With --topology nat: how long a pair may stay relayed after every pair connected
+    before the simulation calls it final (the extra punch rounds come 20 s and 60 s in)."""
     device: str = "auto"
     """Where every trainer's worker trains (all on one GPU with cuda: they share it)."""
     link_mbps: float = 0.0
@@ -123,6 +126,8 @@ class SimulationOptions:
             raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
             raise ConfigError(f"--symmetric-nats: must be 0 to --nodes ({self.num_nodes}), with --topology nat")
+        if not 0 <= self.nat_settle_s <= 3600:  # also refuses NaN
+            raise ConfigError(f"--nat-settle-s: must be between 0 and 3600, got {self.nat_settle_s:g}")
         try:
             check_device(self.device)
         except ValueError as exc:
@@ -348,7 +353,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 linked = placement.bed is None or (
                     links_settled_at is not None
                     and pairs_now["unconnected"] == 0
-                    and (pairs_now["relayed"] == 0 or now - links_settled_at >= NAT_SETTLE_S)
+                    and (pairs_now["relayed"] == 0 or now - links_settled_at >= options.nat_settle_s)
                 )
                 trained = not options.settings.trains or (
                     late is None
