@@ -225,6 +225,15 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         before = [o for o in outcomes if o[3] == 0]
         after = [o for o in outcomes if o[3] == 1]
         assert sum(o[2] not in (None, "unused") for o in before) >= 2, said
+        # From a peer it did not refuse since it last used a payload (the resync's rule:
+        # ``not_from``; two of its three peers at most, so one was left).
+        refused: set[object] = set()
+        for _, partner, why, _ in before:
+            if why is None:
+                refused = set()
+            elif why != "unused":
+                refused.add(partner)
+        assert 0 < len(refused) < len(others) and status["joined_from"][-6:] not in refused, said
         # Its peers' weights are its own again: partners' payloads are used.
         assert after and after[0][2] is None, said
         assert 2 * sum(o[2] is None for o in after) > len(after), said

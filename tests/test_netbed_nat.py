@@ -19,7 +19,6 @@ import pytest
 import trio
 
 from node.simulate.netbed import Netbed, NetbedUnavailable, check_available
-from protocol.net.nat import PUNCH_RETRY_S
 
 try:
     check_available()
@@ -119,11 +118,11 @@ async def test_two_nodes_behind_nats_meet_by_dht_punch_through_and_move_a_tensor
 
 async def test_a_node_that_cannot_punch_stays_relayed_and_still_gets_the_run(short_tmp: Path) -> None:
     report_path = short_tmp / "report.json"
-    # Final once the relayed pairs stayed so through the first extra punch round (20 s in,
-    # protocol/net/nat.py PUNCH_RETRY_S), not the default 75 s (the suite's time).
-    settle_s = PUNCH_RETRY_S + 10
+    # The default settle (75 s, two extra punch rounds): with 30 s, the cone pair was still
+    # relayed at the end once in a full run of the suite (its first punch failed under load,
+    # and the extra round 20 s in had not ended).
     argv = [*SWARMTRAIN, "simulate", "--topology", "nat", "--nodes", "3", "--symmetric-nats", "1"]
-    argv += ["--algorithm", "none", "--report", str(report_path), "--timeout-s", "150", "--nat-settle-s", str(settle_s)]
+    argv += ["--algorithm", "none", "--report", str(report_path), "--timeout-s", "150"]
     result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
     output = result.stdout.decode() + result.stderr.decode()
     assert result.returncode == 0, output[-3000:]

@@ -136,6 +136,9 @@ def test_simulate_takes_how_long_a_relayed_pair_may_settle() -> None:
     args = cli.build_parser().parse_args(["simulate", "--topology", "nat", "--nat-settle-s", "30"])
     assert args.nat_settle_s == 30.0
     assert cli.build_parser().parse_args(["simulate"]).nat_settle_s == NAT_SETTLE_S
+    assert SimulationOptions(topology="nat", nat_settle_s=args.nat_settle_s).nat_settle_s == 30.0
     for bad in (-1.0, float("nan"), 1e9):
         with pytest.raises(ConfigError, match="--nat-settle-s"):
-            SimulationOptions(nat_settle_s=bad)
+            SimulationOptions(topology="nat", nat_settle_s=bad)
+    with pytest.raises(ConfigError, match="--nat-settle-s"):
+        SimulationOptions(nat_settle_s=30.0)  # loopback: no NATs to settle

@@ -126,8 +126,8 @@ class SimulationOptions:
             raise ConfigError(f"--topology: must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not 0 <= self.symmetric_nats <= self.num_nodes or (self.symmetric_nats and self.topology != "nat"):
             raise ConfigError(f"--symmetric-nats: must be 0 to --nodes ({self.num_nodes}), with --topology nat")
-        if not 0 <= self.nat_settle_s <= 3600:  # also refuses NaN
-            raise ConfigError(f"--nat-settle-s: must be between 0 and 3600, got {self.nat_settle_s:g}")
+        if not 0 <= self.nat_settle_s <= 3600 or (self.nat_settle_s != NAT_SETTLE_S and self.topology != "nat"):
+            raise ConfigError(f"--nat-settle-s: 0 to 3600 s, with --topology nat; got {self.nat_settle_s:g}")
         try:
             check_device(self.device)
         except ValueError as exc:

@@ -381,26 +381,26 @@ class ExpertStore:
                 finally:
                     fetching.discard(head.expert)
 
-            def fetch_wanted() -> None:
-                offers: dict[Head, list[str]] = {}
-                for peer_id, heads in latest.items():
-                    for head in heads:
-                        offers.setdefault(head, []).append(peer_id)
-                for head, holders in self._choose(offers, wanted):
+            def fetch_wanted(heads: list[Head]) -> None:
+                """What one answer lists that we want (its holders: every live peer whose
+                latest answer lists it; a look at the others only for a version to fetch,
+                so each answer costs its own length, not the swarm's)."""
+                for head, _ in self._choose({head: [] for head in heads}, wanted):
                     if head.expert not in fetching:
                         fetching.add(head.expert)
+                        holders = [p for p, listed in latest.items() if head in listed]
                         nursery.start_soon(get, head, holders)
 
             async def ask(peer_id: str) -> None:
                 try:
-                    latest[peer_id] = (await self.heads(peer_id))[1]
+                    heads = latest[peer_id] = (await self.heads(peer_id))[1]
                 except ProtocolError as exc:
                     logger.debug("no expert heads from %s: %s", peer_id, exc)
                     return
                 finally:
                     asking.discard(peer_id)
                 if self.expert_nbytes:
-                    fetch_wanted()
+                    fetch_wanted(heads)
 
             while True:
                 if self.expert_nbytes:
