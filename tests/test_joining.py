@@ -216,7 +216,15 @@ async def test_a_replica_that_drifted_from_its_peers_takes_a_peers_state_and_pai
         metrics = drifter.training.metrics
         assert algorithm.resyncs == 1, f"{metrics}, {algorithm.status()}"
         partnered_before = drifter.training.metrics.rounds_with_partner
-        await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
+        try:
+            await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=TIMEOUT_S)
+        except trio.TooSlowError:
+            # Seen once in a full run of the suite (the resync done, then not all finished in
+            # 240 s); not understood yet: where each node stood.
+            raise AssertionError(
+                f"not finished in {TIMEOUT_S} s after the resync:\n{outcomes}\n"
+                f"{drifter.peer_id[-6:]} drifted\n{described(nodes)}"
+            ) from None
         status = drifter.training.status()
         assert status is not None
         assert status["joined_from"] in {n.peer_id for n in others}
