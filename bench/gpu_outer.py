@@ -8,10 +8,13 @@ device synchronized around each piece:
 - ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and checked;
 - ``outer``: the outer step on it (``apply_noloco``);
 - ``checkpoint``: what saving the state costs the training path: the copy into the
-  background writer's buffers, plus any wait for the last round's write (training/saver.py,
-  as the worker saves after each round); ``checkpoint_sync`` (once, at the end): the whole
-  save (encode, hash, atomic write) as it was on the training path before;
+  background writer's buffers, or nothing in a round that finds the last write still going
+  (training/saver.py skips those; ``checkpoints_written`` of the rounds were written);
+  ``checkpoint_sync`` (once, at the end): the whole save (hash, atomic write) as it was on
+  the training path before;
 - ``pinned_copy``: the reference, the payload's bytes from the device into a pinned buffer.
+``--profile FILE``: one more round's export, import and outer step under torch's profiler,
+its busiest ops (device time on a GPU, else CPU time) written to FILE as a table.
 Printed: one JSON object with the median of each piece over ``--rounds`` and the ratios
 ``export_over_pinned_copy``, ``checkpoint_over_sync`` and ``stall_fraction`` = (export + import + outer + checkpoint)
 / (inner + those): the share of a round the inner loop waits (≤ 0.05 wanted at H = 50).
@@ -58,6 +61,7 @@ def one_round(
     pinned: torch.Tensor,
     saver: BackgroundSaver,
     device: torch.device,
+    written: list[bool],
 ) -> dict[str, float]:
     took = {"inner": timed(device, trainer.inner_steps)}
     took["export"] = timed(device, lambda: out_view.copy_(trainer.outer_payload()))
@@ -65,16 +69,36 @@ def one_round(
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
     took["outer"] = timed(device, lambda: trainer.apply_noloco(in_view))
     state, meta = trainer.state()
-    took["checkpoint"] = timed(device, lambda: saver.save(trainer.round, state, meta))
+    took["checkpoint"] = timed(device, lambda: written.append(saver.save(trainer.round, state, meta)))
     wire = trainer.outer_payload()
     took["pinned_copy"] = timed(device, lambda: pinned.copy_(wire, non_blocking=True))
     return took
+
+
+def profile_outer(
+    trainer: Trainer, out_view: torch.Tensor, in_view: torch.Tensor, device: torch.device, path: Path
+) -> None:
+    """One round's export, import and outer step under torch's profiler: its busiest ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer.inner_steps()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        out_view.copy_(trainer.outer_payload())
+        in_view.copy_(out_view)
+        trainer.apply_noloco(in_view)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30)
+    path.write_text(table + "\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser, steps=50, rounds=3)
     parser.add_argument("--checkpoint-dir", type=Path, help="where the checkpoint goes (default: a temp dir)")
+    parser.add_argument("--profile", type=Path, help="write a profile of one round's outer path here")
     args = parser.parse_args()
     bench = setup(args)
     device, name = bench.device, bench.name
@@ -91,12 +115,15 @@ def main() -> None:
                 out_view = torch.frombuffer(outbox.buf, dtype=torch.uint8, count=nbytes)
                 in_view = torch.frombuffer(inbox.buf, dtype=torch.uint8, count=nbytes)
                 saver = BackgroundSaver(path, lambda _round, _error: None)
+                written: list[bool] = []
                 for round_index in range(args.rounds + 1):  # the first compiles: not counted
-                    took = one_round(trainer, out_view, in_view, pinned, saver, device)
+                    took = one_round(trainer, out_view, in_view, pinned, saver, device, written)
                     if round_index:
                         for key, value in took.items():
                             times[key].append(value)
                 saver.close()
+                if args.profile is not None:
+                    profile_outer(trainer, out_view, in_view, device, args.profile)
                 state, meta = trainer.state()
                 checkpoint_sync = timed(device, lambda: checkpoint.save(path, state, meta))
                 del out_view, in_view
@@ -118,6 +145,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 **{f"{key}_s": round(value, 5) for key, value in medians.items()},
                 "checkpoint_sync_s": round(checkpoint_sync, 5),
+                "checkpoints_written": f"{sum(written[1:])} of {len(written) - 1}",
                 "checkpoint_over_sync": round(medians["checkpoint"] / checkpoint_sync, 4),
                 "export_over_pinned_copy": round(medians["export"] / medians["pinned_copy"], 3),
                 "stall_fraction": round(stall / (medians["inner"] + stall), 4),

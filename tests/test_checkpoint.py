@@ -32,6 +32,36 @@ def test_tensors_and_meta_round_trip_exactly(tmp_path: Path) -> None:
     assert not path.with_name("x.ckpt.tmp").exists()
 
 
+def test_our_writer_is_read_by_safetensors_as_safetensors_own_file_is() -> None:
+    """The file is written here without copying the state (training/checkpoint.py): what
+    safetensors reads back must be what its own writer's file holds, for every dtype we
+    store, scalars, empty and non-contiguous tensors, the data 8-byte aligned."""
+    from safetensors.torch import load as safetensors_load
+    from safetensors.torch import save as safetensors_save
+
+    torch.manual_seed(0)
+    tensors = {
+        "f32": torch.randn(5, 3).t(),  # not contiguous
+        "f64": torch.randn(4, dtype=torch.float64),
+        "bf16": torch.randn(6).to(torch.bfloat16),
+        "f16": torch.randn(2, 2).to(torch.float16),
+        "i64": torch.tensor(-(1 << 40)),  # a scalar
+        "i32": torch.arange(-3, 4, dtype=torch.int32),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "empty": torch.zeros(0, 2),
+    }
+    ours = checkpoint.encode(tensors, {"round": 1})
+    header_nbytes = int.from_bytes(ours[:8], "little")
+    assert header_nbytes % 8 == 0
+    read = safetensors_load(ours)
+    reference = safetensors_load(safetensors_save({k: t.contiguous() for k, t in tensors.items()}))
+    assert sorted(read) == sorted(reference) == sorted(tensors)
+    for name, tensor in reference.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape
+        assert torch.equal(read[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+    assert checkpoint.decode(ours)[1] == {"round": 1}
+
+
 def good_bytes() -> bytes:
     return checkpoint.encode({"w": torch.arange(64, dtype=torch.float32)}, {"round": 1})
 
@@ -66,7 +96,7 @@ def test_damaged_files_are_refused_with_the_reason(damage, message: str) -> None
 def test_non_finite_values_are_never_saved(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="non-finite"):
         checkpoint.save(tmp_path / "x.ckpt", {"w": torch.tensor([1.0, float("nan")])}, {})
-    assert not (tmp_path / "x.ckpt").exists()
+    assert list(tmp_path.iterdir()) == []  # no half-written temporary file either
 
 
 @settings(max_examples=200, deadline=None)

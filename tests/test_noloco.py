@@ -103,3 +103,58 @@ def test_two_nodes_reduce_bitwise_to_heavy_ball_diloco(dtype: torch.dtype) -> No
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="gamma"):
         OuterConfig(gamma=-1)
+
+
+def per_tensor_noloco(
+    phi: list[torch.Tensor],
+    theta: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    peer: PeerTensors | None,
+    sent: PeerTensors | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The step as DESIGN.md writes it, one tensor at a time (what training/noloco.py did
+    before it worked on whole lists)."""
+    new_phi, new_momentum = [], []
+    for k, (p, t, m) in enumerate(zip(phi, theta, momentum, strict=True)):
+        d = p - t
+        if peer is None:
+            m_new = CONFIG.alpha * m - CONFIG.beta * d
+        else:
+            own_phi, own_delta = (p, d) if sent is None else (sent.phi[k], sent.delta[k])
+            mean_delta = (own_delta + peer.delta[k]) / 2
+            pull = own_phi - (own_phi + peer.phi[k]) / 2
+            m_new = CONFIG.alpha * m - CONFIG.beta * mean_delta - CONFIG.gamma * pull
+        new_momentum.append(m_new)
+        new_phi.append(p + m_new)
+    return new_phi, new_momentum
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
+def test_the_list_steps_give_the_per_tensor_formulas_bits(device: str) -> None:
+    """On a GPU the list ops are other kernels (one launch for many tensors): the same bits
+    as the per-tensor formula all the same, so every node's outer step agrees with the
+    DESIGN.md recipe whatever runs it."""
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(64, 33), (1,), (1000,), (3, 5, 7), (0,), (257,)]
+
+    def tensors(scale: float) -> list[torch.Tensor]:
+        return [(torch.randn(s, generator=generator) * scale).to(device) for s in shapes]
+
+    phi, theta, momentum = tensors(1.0), tensors(1.0), tensors(0.1)
+    peer = PeerTensors(phi=tensors(1.0), delta=tensors(0.01))
+    sent = PeerTensors(phi=tensors(1.0), delta=tensors(0.01))
+    for partner, as_sent in ((None, None), (peer, None), (peer, sent)):
+        got = noloco_step(phi, theta, momentum, partner, CONFIG, sent=as_sent)
+        want = per_tensor_noloco(phi, theta, momentum, partner, as_sent)
+        for ours, theirs in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+            assert torch.equal(ours.view(-1).view(torch.int32), theirs.view(-1).view(torch.int32))
+    deltas = [tensors(0.01) for _ in range(3)]
+    new_phi, new_momentum = diloco_step(phi, deltas, momentum, CONFIG)
+    for k, (p, m) in enumerate(zip(phi, momentum, strict=True)):
+        mean = (deltas[0][k].clone() + deltas[1][k] + deltas[2][k]) / 3
+        m_want = CONFIG.alpha * m - CONFIG.beta * mean
+        assert torch.equal(new_momentum[k], m_want) and torch.equal(new_phi[k], p + m_want)
+    assert noloco_step([], [], [], None, CONFIG) == ([], [])

@@ -9,8 +9,13 @@ and its fsync 0.1-0.4 s. On the H100, a 2 GB gpt-125m state took ~6 s a round.
 What stays on the training path is the copy: into CPU buffers kept from round to round
 (page-locked on CUDA, copied without waiting; the thread waits for the copy's event), so
 the next round's inner steps can change the weights at once. One write at a time: a
-round whose copy finds the last write still going waits for it (writes slower than
-rounds slow training down rather than pile up).
+round whose save finds the last write still going skips its own (training never waits
+for the disk), except the run's last round, which waits and writes. On the H200 (issue 14,
+gpt-125m, H = 50) a write took 7.6 s and a round 1.7 s: waiting for each write stalled
+training 70% of the time; now a round is written when the last write has ended (bench/gpu_outer.py
+counts them). A restart resumes at
+the newest file's round (the rounds since are trained again, or skipped to catch up with
+peers). A skipped round is logged at debug and counted (``skipped``).
 
 Each write ends in ``{t: "saved", round, save_error}`` to the daemon (training/ipc.py),
 sent by the thread: the daemon offers the file to joiners only then. The file is written
@@ -69,20 +74,43 @@ class BackgroundSaver:
         self._report = report
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, torch.Tensor] | None = {}
+        """Copied for the next save; None: that round's staging was skipped (a write busy)."""
+        self.skipped = 0
+        """Rounds not written because the last write was still going."""
+
+    def busy(self) -> bool:
+        """A write is under way (one that has ended is collected here)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+        return self._thread is not None
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy ``tensors`` now for the next ``save`` (a round's end, when its outer step
-        lands later: training/algorithms/rounds.py)."""
-        self.wait()
+        lands later: training/algorithms/rounds.py); a write still going skips that save
+        (the buffers are the writer's until it ends)."""
+        if self.busy():
+            self._staged = None
+            return
         self._staged = {name: self._copy(name, tensor) for name, tensor in tensors.items()}
 
-    def save(self, round_index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def save(
+        self, round_index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, must: bool = False
+    ) -> bool:
         """Copy ``tensors`` (the caller may change them as soon as this returns) and write
-        them, with what was staged, as the state after ``round_index`` in the background."""
-        self.wait()
-        copies = {**self._staged, **{name: self._copy(name, tensor) for name, tensor in tensors.items()}}
+        them, with what was staged, as the state after ``round_index`` in the background;
+        whether it does. While the last write is still going the round is skipped, unless
+        ``must`` (the run's last round), which waits for it."""
+        staged = self._staged
         self._staged = {}
+        if not must and (staged is None or self.busy()):
+            self.skipped += 1
+            logger.debug("round %d not saved: the last checkpoint write is still going", round_index)
+            return False
+        if staged is None:  # never: only a round with a next one is staged
+            raise RuntimeError(f"round {round_index} must be saved, but its end was not staged")
+        self.wait()
+        copies = {**staged, **{name: self._copy(name, tensor) for name, tensor in tensors.items()}}
         self._buffers = {name: self._buffers[name] for name in copies}  # a lost expert's go
         copied: torch.cuda.Event | None = None
         if any(t.device.type == "cuda" for t in tensors.values()):
@@ -92,6 +120,7 @@ class BackgroundSaver:
             target=self._write, args=(round_index, copies, dict(meta), copied), name="checkpoint", daemon=False
         )
         self._thread.start()
+        return True
 
     def wait(self) -> None:
         """Until the write in flight (if any) is done and reported."""

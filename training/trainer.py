@@ -21,7 +21,7 @@ import torch
 from training.checkpoint import CheckpointError
 from training.data import Shard
 from training.encodings import encoding
-from training.finite import all_finite
+from training.finite import all_finite, all_finite_each
 from training.models import GPT
 from training.noloco import (
     Params,
@@ -345,7 +345,7 @@ class Trainer:
         if peer is not None and self.encoding.lossy and self._sent is None:
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
         phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
-        if peer is not None and not all(all_finite(t) for t in phi):
+        if peer is not None and not all_finite_each(phi):
             # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
             self.last_rejection = "the outer step with its payload gives non-finite weights"
             used_peer = False
@@ -424,7 +424,7 @@ class Trainer:
             for e, p in zip(starts, self._params, strict=True)
         ):
             raise CheckpointError("checkpoint's overlap_start does not fit this model")
-        if not all(all_finite(t) for t in tensors.values()):
+        if not all_finite_each(tensors.values()):
             raise CheckpointError("checkpoint holds NaN or Inf")
         self.phi = [tensors[f"phi.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
         self.momentum = [tensors[f"momentum.{k}"].to(self.device, copy=True) for k in range(len(self._params))]
@@ -469,7 +469,7 @@ class Trainer:
     def _load_phi_into_theta(self) -> None:
         # Checked before θ takes them: non-finite weights (our own divergence) end this worker
         # before anything is saved, and its successor resumes from the last good checkpoint.
-        if not all(all_finite(p) for p in self.phi):
+        if not all_finite_each(self.phi):
             raise FloatingPointError("outer step produced non-finite weights")
         # What the payload left out of Δ stays in θ (sparseloco): θ ← φ − (Δ − sent).
         starts, self._overlap_start, self._round_end = self._overlap_start, None, None

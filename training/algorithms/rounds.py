@@ -176,8 +176,9 @@ def save(
     held: tuple[int, int] | None = None,
 ) -> None:
     """The state after an outer step (never a non-finite one: the step refuses those
-    first), written in the background (training/saver.py); the run's last round's is
-    written before its ``outer_done``, so the daemon has it when its run is over.
+    first), written in the background (training/saver.py), or skipped while the last
+    write is still going; the run's last round's is always written, before its
+    ``outer_done``, so the daemon has it when its run is over.
     ``held``: the step landed under overlapped steps: (the step count at the round's end,
     the steps taken since); the round's end (AdamW's moments, the overlap's start) was
     staged when it ended (``Trainer.round_end_state``), and a restart takes as many steps
@@ -189,7 +190,7 @@ def save(
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
         meta = {**meta, "step": held[0], "overlapped": held[1]}
     meta = {**meta, "round_steps": trainer.next_round_steps}
-    saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()})
+    saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()}, must=last)
     if last:
         saver.wait()
 
