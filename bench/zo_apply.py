@@ -8,11 +8,17 @@ For K = 1, 8, 64 updates on a flat float32 parameter buffer, prints GB/s of para
 - ``naive``: K passes, θ −= c_k·z_k, each z_k materialized (what one would write first);
 - ``reference_v2``: the reference with generator version 2 (32 signs per hash,
   ``zo.signs = 2``; never compiled), and its ratio to version 1's best path here;
-- on a GPU also ``fused``: the Triton kernel, and its HBM traffic (read + write of θ) as
-  a fraction of a device-to-device copy measured in the same run (the card's practical
-  bandwidth); the issue's target is ≥ 60% of HBM bandwidth.
+  these are best of ``--repeats`` wall-clock runs; on a GPU only for K ≤ ``--reference-max-k``
+  (at 256M parameters and K = 64 they took most of a minute) and not at all with
+  ``--fused-only``;
+- on a GPU, one row per ``--blocks`` size, ``fused`` and ``fused_v2``: the Triton kernels
+  of generator versions 1 and 2 (median of triton.testing.do_bench, which warms up and
+  flushes L2 between runs), and their HBM traffic (read + write of θ) as a fraction of a
+  device-to-device copy of the same buffer into a preallocated one, timed the same way
+  (the card's practical bandwidth); the issue's target is ≥ 60% of HBM bandwidth.
 
-    python bench/zo_apply.py [--mparams 16] [--device cpu|cuda] [--repeats 3]
+    python bench/zo_apply.py [--mparams 16] [--device cpu|cuda] [--repeats 3] [--ks 1,8,64]
+        [--blocks 1024,4096] [--fused-only] [--reference-max-k 8]
 """
 
 import argparse
@@ -26,6 +32,7 @@ from kernels import rng, zo_apply
 
 
 def timed(fn: Callable[[], None], device: str, repeats: int) -> float:
+    """Best of ``repeats`` wall-clock runs, in seconds."""
     best = float("inf")
     for _ in range(repeats):
         if device == "cuda":
@@ -38,59 +45,98 @@ def timed(fn: Callable[[], None], device: str, repeats: int) -> float:
     return best
 
 
+def timed_on_gpu(fn: Callable[[], object]) -> float:
+    """Median of CUDA-event timings after a warm-up (triton.testing.do_bench), in seconds."""
+    return float(zo_apply.triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) / 1e3
+
+
+def reference_row(theta: torch.Tensor, k: int, device: str, repeats: int) -> dict[str, object]:
+    numel, nbytes = theta.numel(), theta.numel() * 4
+    seeds = list(range(1, k + 1))
+    coeffs = zo_apply.coefficients(1e-6, [1.0] * k)
+
+    def naive() -> None:
+        for seed, c in zip(seeds, coeffs.tolist(), strict=True):
+            theta.sub_(rng.rademacher(seed, 0, numel, device=device), alpha=c)
+
+    def compiled() -> None:
+        threshold, zo_apply.COMPILE_ABOVE = zo_apply.COMPILE_ABOVE, 0
+        try:
+            zo_apply.apply_reference([theta], seeds, coeffs)
+        finally:
+            zo_apply.COMPILE_ABOVE = threshold
+
+    row: dict[str, object] = {"k": k}
+    rates: dict[str, float] = {}
+    for name, fn in (
+        ("reference", lambda: zo_apply.apply_reference([theta], seeds, coeffs)),
+        *((("reference_compiled", compiled),) if device == "cpu" else ()),
+        ("reference_v2", lambda: zo_apply.apply_reference([theta], seeds, coeffs, version=2)),
+        ("naive", naive),
+    ):
+        rates[name] = nbytes / timed(fn, device, repeats) / 1e9
+        row[f"{name}_gb_per_s"] = round(rates[name], 3)
+    row["reference_vs_naive"] = round(rates["reference"] / rates["naive"], 3)
+    # 32 signs per hash (zo.signs = 2) against version 1's best path on this device
+    v1_best = max(rates["reference"], rates.get("reference_compiled", 0.0))
+    row["reference_v2_over_v1_best"] = round(rates["reference_v2"] / v1_best, 3)
+    return row
+
+
+def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) -> dict[str, object]:
+    nbytes = theta.numel() * 4
+    seeds = list(range(1, k + 1))
+    coeffs = zo_apply.coefficients(1e-6, [1.0] * k)
+    row: dict[str, object] = {"k": k, "block": block, "num_warps": zo_apply.num_warps_for(block)}
+    rates: dict[str, float] = {}
+    for name, version in (("fused", 1), ("fused_v2", 2)):
+        seconds = timed_on_gpu(lambda v=version: zo_apply.apply_triton([theta], seeds, coeffs, version=v, block=block))
+        rates[name] = nbytes / seconds / 1e9
+        row[f"{name}_gb_per_s"] = round(rates[name], 3)
+        # HBM traffic: one read and one write of θ
+        row[f"{name}_fraction_of_copy_bandwidth"] = round(2 * rates[name] / copy_gb_per_s, 3)
+    row["fused_v2_over_v1"] = round(rates["fused_v2"] / rates["fused"], 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mparams", type=float, default=16.0, help="parameters, in millions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="wall-clock runs of each reference path (best)")
     parser.add_argument("--ks", default="1,8,64")
+    parser.add_argument(
+        "--blocks", default=str(zo_apply.DEFAULT_BLOCK), help="GPU: the fused kernels' block sizes, one row each"
+    )
+    parser.add_argument("--fused-only", action="store_true", help="GPU: only the fused kernels and the copy")
+    parser.add_argument("--reference-max-k", type=int, default=8, help="GPU: the reference paths only up to this K")
     args = parser.parse_args()
+    on_gpu = args.device == "cuda"
+    if not on_gpu and args.fused_only:
+        parser.error("--fused-only needs --device cuda (the fused kernels are Triton's)")
+    if on_gpu and zo_apply.triton is None:
+        parser.error("the fused kernels need Triton (CUDA builds of torch bring it)")
+    ks = [int(x) for x in args.ks.split(",")]
+    blocks = [int(x) for x in args.blocks.split(",")]
     numel = int(args.mparams * 1e6)
     theta = torch.zeros(numel, device=args.device)
-    nbytes = numel * 4
     out: dict[str, object] = {"bench": "zo_apply", **vars(args), "threads": torch.get_num_threads(), "results": []}
-    if args.device == "cuda":
-        copy_s = timed(lambda: theta.clone(), args.device, args.repeats)
-        out["copy_gb_per_s"] = round(2 * nbytes / copy_s / 1e9, 1)  # read + write
-    for k in (int(x) for x in args.ks.split(",")):
-        seeds = list(range(1, k + 1))
-        coeffs = zo_apply.coefficients(1e-6, [1.0] * k)
-
-        def naive(seeds: list[int] = seeds, coeffs: torch.Tensor = coeffs) -> None:
-            for seed, c in zip(seeds, coeffs.tolist(), strict=True):
-                theta.sub_(rng.rademacher(seed, 0, numel, device=args.device), alpha=c)
-
-        row: dict[str, object] = {"k": k}
-
-        def compiled(s: list[int] = seeds, c: torch.Tensor = coeffs, version: int = 1) -> None:
-            threshold, zo_apply.COMPILE_ABOVE = zo_apply.COMPILE_ABOVE, 0
-            try:
-                zo_apply.apply_reference([theta], s, c, version=version)
-            finally:
-                zo_apply.COMPILE_ABOVE = threshold
-
-        for name, fn in (
-            ("reference", lambda s=seeds, c=coeffs: zo_apply.apply_reference([theta], s, c)),
-            *((("reference_compiled", compiled),) if args.device == "cpu" else ()),
-            ("reference_v2", lambda s=seeds, c=coeffs: zo_apply.apply_reference([theta], s, c, version=2)),
-            ("naive", naive),
-            *(
-                (("fused", lambda s=seeds, c=coeffs: zo_apply.apply_triton([theta], s, c)),)
-                if args.device == "cuda"
-                else ()
-            ),
-        ):
-            seconds = timed(fn, args.device, args.repeats)
-            row[f"{name}_gb_per_s"] = round(nbytes / seconds / 1e9, 3)
-        row["reference_vs_naive"] = round(float(row["reference_gb_per_s"]) / float(row["naive_gb_per_s"]), 3)  # type: ignore[arg-type]
-        # 32 signs per hash (zo.signs = 2) against version 1's best path on this device
-        v1_best = max(float(row[k]) for k in ("reference_gb_per_s", "reference_compiled_gb_per_s") if k in row)  # type: ignore[arg-type]
-        row["reference_v2_over_v1_best"] = round(float(row["reference_v2_gb_per_s"]) / v1_best, 3)  # type: ignore[arg-type]
-        if "fused_gb_per_s" in row and "copy_gb_per_s" in out:
-            fused_traffic = 2 * float(row["fused_gb_per_s"])  # type: ignore[arg-type]
-            row["fused_fraction_of_copy_bandwidth"] = round(fused_traffic / float(out["copy_gb_per_s"]), 3)  # type: ignore[arg-type]
-        out["results"].append(row)  # type: ignore[attr-defined]
-        print(json.dumps(row), flush=True)
+    copy_gb_per_s = 0.0
+    if on_gpu:
+        out["gpu"] = torch.cuda.get_device_name()
+        target = torch.empty_like(theta)
+        copy_gb_per_s = 2 * numel * 4 / timed_on_gpu(lambda: target.copy_(theta)) / 1e9  # read + write
+        out["copy_gb_per_s"] = round(copy_gb_per_s, 1)
+        del target
+    rows: list[dict[str, object]] = []
+    for k in ks:
+        if not args.fused_only and (not on_gpu or k <= args.reference_max_k):
+            rows.append(reference_row(theta, k, args.device, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
+        for block in blocks if on_gpu else []:
+            rows.append(kernel_row(theta, k, block, copy_gb_per_s))
+            print(json.dumps(rows[-1]), flush=True)
+    out["results"] = rows
     print(json.dumps(out, indent=2))
 
 

@@ -1,6 +1,6 @@
 """Apply K zeroth-order updates in one pass: θ_p ← θ_p − Σ_k c_k·z(s_k, p, ·), c_k = lr·g_k.
 
-Every peer must end with the same bits, so the arithmetic is fixed (version 1):
+Every peer must end with the same bits, so the arithmetic is fixed (both generator versions):
 
 - c_k is float32(lr) × float32(g_k), rounded to float32 (``coefficients``), computed once
   and handed to every implementation;
@@ -9,9 +9,25 @@ Every peer must end with the same bits, so the arithmetic is fixed (version 1):
 - then θ ← θ − acc, once, in float32.
 
 ``apply_reference`` does that with torch on any device (chunked, so its temporaries stay
-small); ``apply_triton`` is the fused GPU kernel: one read and one write of θ whatever K
-is, z generated in registers (kernels/rng.py's definition in uint32). Tests compare the two
-bit for bit where a GPU is present.
+small). ``apply_triton`` runs the fused GPU kernels: one read and one write of θ whatever K
+is, z generated in registers (kernels/rng.py's definitions in uint32). Version 1's kernel
+makes one hash per element and update; version 2's works on a [words, 32] tile and makes
+one hash per word (32 elements) and update, each element taking its bit by a shift.
+
+What is checked where:
+
+- tests/test_zo_apply.py, on any machine: the reference's arithmetic, chunking and order;
+- the same file on a CUDA machine with Triton: both kernels against the CPU reference bit
+  for bit (compared as int32, so −0.0 ≠ +0.0), K = 1, 3, 8, 64, sizes off a multiple of 32
+  and of the block, several parameters and block sizes, coefficients ±0, subnormal, and
+  large enough that sums overflow to ±inf; and that ``apply`` takes the kernels on CUDA;
+- Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, the CUDA check bypassed in a
+  script outside the repository; Triton 3.9 on this CPU machine): both kernels gave the
+  reference's bits for K = 1, 3, 8, 64, blocks 32 to 4096, up to 100,003 elements. It runs
+  the kernels with NumPy, so it says nothing of the GPU's float rounding or denormals.
+  Neither kernel's bits have been compared on a GPU yet: version 1's ran on an H200 in
+  bench/zo_apply.py, but scripts/gpu_checks' ``-k "cuda or triton or gpu or page_locked"``
+  deselected its test (the test names now end in ``on_cuda``).
 """
 
 from collections.abc import Callable, Sequence
@@ -99,12 +115,23 @@ def apply_reference(
             flat[start : start + count] -= acc
 
 
-def _keys(seeds: Sequence[int], param_index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = [rng.key(seed, param_index) for seed in seeds]
-    # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernel bitcasts.
-    ka = torch.tensor([a - (1 << 32) if a >= 1 << 31 else a for a, _ in pairs], dtype=torch.int32, device=device)
-    kb = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for _, b in pairs], dtype=torch.int32, device=device)
-    return ka, kb
+def _keys(seeds: Sequence[int], num_params: int, device: torch.device) -> torch.Tensor:
+    """Every parameter's key pairs in one upload: [parameter, ka | kb, update], int32."""
+    pairs = torch.tensor([[rng.key(seed, p) for seed in seeds] for p in range(num_params)], dtype=torch.int64)
+    # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernels bitcast.
+    signed = torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32)
+    return signed.transpose(1, 2).contiguous().to(device)
+
+
+# Elements per program. At K = 1 the kernels should be memory bound; version 1's took 0.63
+# of copy bandwidth on an H200 with 1024 (θ then loaded after the loop, now before it), so
+# the default is larger; not measured yet: bench/zo_apply.py --blocks 1024,4096 compares.
+DEFAULT_BLOCK = 4096
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per program: 4 up to 2048 elements, 8 from 4096 (16 elements a thread there)."""
+    return min(8, max(4, block // 512))
 
 
 if triton is not None:
@@ -119,8 +146,10 @@ if triton is not None:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _apply_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, num_updates, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Version 1: one hash per element and update."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
+        theta = tl.load(theta_ptr + offsets, mask=mask)  # in flight while the hashes are made
         index = offsets.to(tl.uint32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(num_updates):
@@ -129,33 +158,80 @@ if triton is not None:
             c = tl.load(coeff_ptr + k)
             h = _mix(_mix(index ^ ka) + kb)
             acc += tl.where((h >> 31) != 0, -c, c)
-        theta = tl.load(theta_ptr + offsets, mask=mask)
         tl.store(theta_ptr + offsets, theta - acc, mask=mask)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _apply_v2_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, num_updates, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Version 2: a [words, 32] tile of θ, the hash made on the [words] vector, bit j of
+        the word for lane j. Each thread holding part of a word makes its hash (with Triton's
+        usual 4-element vectors, likely 8 threads a word: 4 elements per hash against
+        version 1's 1; the generated code not read yet).
+        ±c is c with its sign bit xor'ed (IEEE negation flips that bit and nothing else, so
+        the bits are those of where(negative, −c, c), ±0 and subnormals included), then
+        added in float32 as in the reference."""
+        WORDS: tl.constexpr = BLOCK // 32
+        word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+        lane = tl.arange(0, 32)
+        offsets = word[:, None] * 32 + lane[None, :]
+        mask = offsets < n
+        theta = tl.load(theta_ptr + offsets, mask=mask)
+        index = word.to(tl.uint32)
+        to_sign_bit = (31 - lane).to(tl.uint32)[None, :]  # bit j of the word up to bit 31
+        acc = tl.zeros([WORDS, 32], dtype=tl.float32)
+        for k in range(num_updates):
+            ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
+            kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
+            c = tl.load(coeff_ptr + k).to(tl.uint32, bitcast=True)
+            h = _mix(_mix(index ^ ka) + kb)
+            sign = (h[:, None] << to_sign_bit) & 0x80000000
+            acc += (sign ^ c).to(tl.float32, bitcast=True)
+        tl.store(theta_ptr + offsets, theta - acc, mask=mask)
+
+
+def _require_cuda(params: Sequence[torch.Tensor]) -> None:
+    for p, param in enumerate(params):
+        if param.device.type != "cuda":
+            raise ValueError(f"parameter {p} is on {param.device}, the kernel needs CUDA")
 
 
 @torch.no_grad()
 def apply_triton(
-    params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, block: int = 1024
+    params: Sequence[torch.Tensor],
+    seeds: Sequence[int],
+    coeffs: torch.Tensor,
+    *,
+    version: int = 1,
+    block: int = DEFAULT_BLOCK,
+    num_warps: int | None = None,
 ) -> None:
-    """The fused kernel: CUDA parameters only; same bits as ``apply_reference``."""
+    """The fused kernel of generator ``version``: CUDA parameters only; same bits as
+    ``apply_reference``. ``block``: elements per program (a power of two, at least 32);
+    ``num_warps``: by default ``num_warps_for(block)``."""
     if triton is None:
         raise RuntimeError("Triton is not installed (CUDA builds of torch bring it)")
+    if version not in rng.VERSIONS:
+        raise ValueError(f"unknown generator version {version} (known: {rng.VERSIONS})")
+    if block < rng.SIGNS_PER_WORD or block & (block - 1):
+        raise ValueError(f"block must be a power of two of at least {rng.SIGNS_PER_WORD}, got {block}")
     _check(params, seeds, coeffs)
-    if not seeds:
+    if not seeds or not params:
         return
+    _require_cuda(params)
+    kernel = _apply_kernel if version == 1 else _apply_v2_kernel
+    warps = num_warps_for(block) if num_warps is None else num_warps
+    keys, values = _keys(seeds, len(params), params[0].device), coeffs.to(params[0].device)
     for p, param in enumerate(params):
-        if param.device.type != "cuda":
-            raise ValueError(f"parameter {p} is on {param.device}, the kernel needs CUDA")
-        ka, kb = _keys(seeds, p, param.device)
+        if param.device != keys.device:
+            keys, values = keys.to(param.device), values.to(param.device)
         grid = (triton.cdiv(param.numel(), block),)
-        _apply_kernel[grid](param, param.numel(), ka, kb, coeffs.to(param.device), len(seeds), BLOCK=block)
+        kernel[grid](param, param.numel(), keys[p, 0], keys[p, 1], values, len(seeds), BLOCK=block, num_warps=warps)
 
 
 def apply(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, version: int = 1) -> None:
-    """The fused kernel on CUDA when Triton is there, the reference otherwise (same bits).
-    Generator version 2 takes the reference on every device until a kernel of it has been
-    checked bit for bit on a GPU (torch's integer ops give the same bits there)."""
-    if version == 1 and triton is not None and params and all(p.device.type == "cuda" for p in params):
-        apply_triton(params, seeds, coeffs)
+    """The fused kernel of ``version`` on CUDA when Triton is there, the reference otherwise
+    (same bits: tests/test_zo_apply.py compares each kernel with the reference bit for bit
+    where a GPU is present; see the module docstring for what has run where)."""
+    if version in rng.VERSIONS and triton is not None and params and all(p.device.type == "cuda" for p in params):
+        apply_triton(params, seeds, coeffs, version=version)
     else:
         apply_reference(params, seeds, coeffs, version=version)

@@ -71,17 +71,52 @@ def test_no_updates_change_nothing_and_bad_inputs_are_refused() -> None:
         zo_apply.apply_reference([torch.zeros(3, dtype=torch.float64)], [1], zo_apply.coefficients(1.0, [1.0]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or zo_apply.triton is None, reason="needs a CUDA GPU and Triton")
-@pytest.mark.parametrize("num_updates", [1, 8, 64])
-def test_the_fused_kernel_gives_the_reference_bits(num_updates: int) -> None:
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or zo_apply.triton is None, reason="needs CUDA and Triton")
+# Coefficients the kernels must treat exactly as the reference: ±0 (the xor of the sign bit
+# must give −0.0 for −(+0.0)), subnormals (no flush to zero), and sums that overflow to ±inf.
+SPECIAL_COEFFS = [0.0, -0.0, 1e-45, -1e-45, 2.0**-140, -(2.0**-127), 1.1754942e-38, 3e38, -3e38, 1e30, -0.5, 1e-3]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))  # torch.equal(0.0, -0.0) is True
+
+
+@needs_gpu
+@pytest.mark.parametrize("version", rng.VERSIONS)
+@pytest.mark.parametrize("num_updates", [1, 3, 8, 64])
+def test_the_triton_kernels_give_the_reference_bits_on_cuda(version: int, num_updates: int) -> None:
     gen = torch.Generator().manual_seed(num_updates)
-    theta = [torch.randn(n, generator=gen) for n in (1, 1000, 3 * 1024 + 7, 1 << 20)]
-    seeds = [int(s) for s in torch.randint(0, 2**62, (num_updates,), generator=gen)]
-    coeffs = zo_apply.coefficients(1e-3, torch.randn(num_updates, generator=gen).tolist())
-    on_gpu = [t.cuda() for t in theta]
-    zo_apply.apply_reference(theta, seeds, coeffs)
-    zo_apply.apply_triton(on_gpu, seeds, coeffs)
-    assert all(torch.equal(a, b.cpu()) for a, b in zip(theta, on_gpu, strict=True))
+    pool = SPECIAL_COEFFS + (torch.randn(64, generator=gen) * 1e-3).tolist()
+    # every special coefficient in some call, whatever K is
+    windows = [pool[i : i + num_updates] for i in range(0, len(SPECIAL_COEFFS), num_updates)]
+    for window in windows if num_updates < len(SPECIAL_COEFFS) else [pool[:num_updates]]:
+        coeffs = torch.tensor(window, dtype=torch.float32)
+        seeds = [int(s) for s in torch.randint(0, 2**62, (num_updates,), generator=gen)]
+        # sizes off a multiple of 32 (a word) and of every block, and θ of ±0, subnormals, ±big
+        theta = [torch.randn(n, generator=gen) for n in (1, 31, 33, 1000, 3 * 1024 + 7, (1 << 20) + 5)]
+        theta.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, -1.0] * 5))
+        expected = [t.clone() for t in theta]
+        zo_apply.apply_reference(expected, seeds, coeffs, version=version)
+        for block in (zo_apply.DEFAULT_BLOCK, 1024, 32):
+            on_gpu = [t.cuda() for t in theta]
+            zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, block=block)
+            assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (window, block)
+
+
+@needs_gpu
+@pytest.mark.parametrize("version", rng.VERSIONS)
+def test_apply_takes_the_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch, version: int) -> None:
+    theta = [t.cuda() for t in params()]
+    expected = [t.clone() for t in theta]
+    coeffs = zo_apply.coefficients(0.1, GS)
+    zo_apply.apply_reference(expected, SEEDS, coeffs, version=version)
+
+    def no_reference(*args: object, **kwargs: object) -> None:
+        raise AssertionError("apply took the reference on CUDA")
+
+    monkeypatch.setattr(zo_apply, "apply_reference", no_reference)
+    zo_apply.apply(theta, SEEDS, coeffs, version=version)
+    assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
 
 
 def test_the_compiled_cpu_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
