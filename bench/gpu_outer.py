@@ -5,8 +5,10 @@ memory page-locked as the worker's are (training/pinned.py). Each round, timed w
 device synchronized around each piece:
 - ``inner``: H inner steps (the round's work, ``--steps``, 50 as the issue's H);
 - ``export``: φ and Δ into the outbox (``outer_payload`` and the copy into shared memory);
-- ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and checked;
-- ``outer``: the outer step on it (``apply_noloco``);
+- ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and
+  checked (``parse_payload``), timed alone: the outer step does it again, and the stall
+  counts it once, there;
+- ``outer``: the outer step on it (``apply_noloco``: the parse included, as in the worker);
 - ``checkpoint``: what saving the state costs the training path: the copy into the
   background writer's buffers, or nothing in a round that finds the last write still going
   (training/saver.py skips those; ``checkpoints_written`` of the rounds were written);
@@ -16,8 +18,9 @@ device synchronized around each piece:
 ``--profile FILE``: one more round's export, import and outer step under torch's profiler,
 its busiest ops (device time on a GPU, else CPU time) written to FILE as a table.
 Printed: one JSON object with the median of each piece over ``--rounds`` and the ratios
-``export_over_pinned_copy``, ``checkpoint_over_sync`` and ``stall_fraction`` = (export + import + outer + checkpoint)
-/ (inner + those): the share of a round the inner loop waits (≤ 0.05 wanted at H = 50).
+``export_over_pinned_copy``, ``checkpoint_over_sync`` and ``stall_fraction`` = (export +
+outer + checkpoint) / (inner + those): the share of a round the inner loop waits (≤ 0.05
+wanted at H = 50). Until 2026-11-26 the stall counted ``import`` too, the parse twice.
 
     python bench/gpu_outer.py                 # gpt-125m on cuda, micro on a CPU
     python bench/gpu_outer.py --steps 50 --rounds 5 --checkpoint-dir /tmp
@@ -132,7 +135,7 @@ def main() -> None:
                 block.close()
                 block.unlink()
     medians = {key: statistics.median(values) for key, values in times.items()}
-    stall = sum(medians[k] for k in ("export", "import", "outer", "checkpoint"))
+    stall = sum(medians[k] for k in ("export", "outer", "checkpoint"))
     print(
         json.dumps(
             {

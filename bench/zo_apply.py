@@ -106,7 +106,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="wall-clock runs of each reference path (best)")
     parser.add_argument("--ks", default="1,8,64")
     parser.add_argument(
-        "--blocks", default=str(zo_apply.DEFAULT_BLOCK), help="GPU: the fused kernels' block sizes, one row each"
+        "--blocks",
+        default=",".join(str(b) for b in sorted(set(zo_apply.DEFAULT_BLOCK.values()))),
+        help="GPU: the fused kernels' block sizes, one row each",
     )
     parser.add_argument("--fused-only", action="store_true", help="GPU: only the fused kernels and the copy")
     parser.add_argument("--reference-max-k", type=int, default=8, help="GPU: the reference paths only up to this K")

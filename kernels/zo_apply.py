@@ -24,10 +24,15 @@ What is checked where:
 - Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, the CUDA check bypassed in a
   script outside the repository; Triton 3.9 on this CPU machine): both kernels gave the
   reference's bits for K = 1, 3, 8, 64, blocks 32 to 4096, up to 100,003 elements. It runs
-  the kernels with NumPy, so it says nothing of the GPU's float rounding or denormals.
-  Neither kernel's bits have been compared on a GPU yet: version 1's ran on an H200 in
-  bench/zo_apply.py, but scripts/gpu_checks' ``-k "cuda or triton or gpu or page_locked"``
-  deselected its test (the test names now end in ``on_cuda``).
+  the kernels with NumPy, so it says nothing of the GPU's float rounding or denormals;
+- on an H200 (2026-11-26, `scripts/gpu_checks`): the CUDA tests above passed, both kernels
+  bit for bit.
+
+Speed there (bench/zo_apply.py --mparams 256, fraction of a device copy's bandwidth):
+version 1 0.88 / 0.26 / 0.036 at K = 1 / 8 / 64, version 2 0.85 / 0.24 / 0.031 (block
+4096; 0.65-1.0× version 1): one hash per 32 elements does not pay on the GPU as written;
+per element and update the shift, select and add remain, and Triton likely makes each
+word's hash in every thread holding part of it (the generated code not read yet).
 """
 
 from collections.abc import Callable, Sequence
@@ -123,10 +128,11 @@ def _keys(seeds: Sequence[int], num_params: int, device: torch.device) -> torch.
     return signed.transpose(1, 2).contiguous().to(device)
 
 
-# Elements per program. At K = 1 the kernels should be memory bound; version 1's took 0.63
-# of copy bandwidth on an H200 with 1024 (θ then loaded after the loop, now before it), so
-# the default is larger; not measured yet: bench/zo_apply.py --blocks 1024,4096 compares.
-DEFAULT_BLOCK = 4096
+DEFAULT_BLOCK = {1: 1024, 2: 4096}
+"""Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
+--mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
+bandwidth at K = 1 with 1024 (0.86 with 4096), version 2 at 0.24 against 0.18 at K = 8
+with 4096."""
 
 
 def num_warps_for(block: int) -> int:
@@ -201,16 +207,18 @@ def apply_triton(
     coeffs: torch.Tensor,
     *,
     version: int = 1,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """The fused kernel of generator ``version``: CUDA parameters only; same bits as
-    ``apply_reference``. ``block``: elements per program (a power of two, at least 32);
+    ``apply_reference``. ``block``: elements per program (a power of two, at least 32;
+    by default ``DEFAULT_BLOCK[version]``);
     ``num_warps``: by default ``num_warps_for(block)``."""
     if triton is None:
         raise RuntimeError("Triton is not installed (CUDA builds of torch bring it)")
     if version not in rng.VERSIONS:
         raise ValueError(f"unknown generator version {version} (known: {rng.VERSIONS})")
+    block = DEFAULT_BLOCK[version] if block is None else block
     if block < rng.SIGNS_PER_WORD or block & (block - 1):
         raise ValueError(f"block must be a power of two of at least {rng.SIGNS_PER_WORD}, got {block}")
     _check(params, seeds, coeffs)
