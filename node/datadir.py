@@ -5,7 +5,8 @@
 ├── lock               held (flock) by the running daemon: one daemon per data dir
 ├── api.sock           control API (node/api.py)
 ├── runs/<run id>.crdt the run's document, rewritten atomically after changes
-├── runs/<run id>.ckpt the worker's training state, saved after every outer step
+├── runs/<run id>.ckpt the worker's training state, saved after an outer step (the rounds
+│                      that find the last write done; training/saver.py)
 └── runs/<run id>.tokenizer.json   the run's BPE tokenizer, when it has one
 """
 

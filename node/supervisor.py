@@ -3,7 +3,8 @@
 The worker (training/worker.py) is a child process that trains and never touches the
 network. A crash never takes the node off the network: the supervisor logs the worker's
 exit, waits (1 s, doubling to 60 s while it keeps crashing) and starts a new one, which
-resumes from its checkpoint (saved after every outer step) at the next round.
+resumes from its checkpoint (saved after an outer step whenever the last write has ended;
+training/saver.py) at the round after it.
 """
 
 import logging

@@ -93,6 +93,12 @@ def test_damaged_files_are_refused_with_the_reason(damage, message: str) -> None
         checkpoint.decode(damage(good_bytes()))
 
 
+def test_a_tensor_named_like_the_headers_own_key_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="__metadata__"):
+        checkpoint.save(tmp_path / "x.ckpt", {"__metadata__": torch.zeros(2)}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_non_finite_values_are_never_saved(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="non-finite"):
         checkpoint.save(tmp_path / "x.ckpt", {"w": torch.tensor([1.0, float("nan")])}, {})

@@ -124,3 +124,26 @@ def test_a_gpu_state_is_copied_before_training_changes_it(tmp_path: Path, monkey
     held.go.set()
     writer.close()
     assert torch.equal(checkpoint.load(path)[0]["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_save_the_last_writes_report_brings_about_is_written_not_skipped(tmp_path: Path) -> None:
+    """The daemon's next ``outer_go`` can follow a ``saved`` before the writer's thread has
+    ended: that round is written (the file it waited for is on disk), reported after it."""
+    reports: list[int] = []
+    path = tmp_path / "run.ckpt"
+    reported = threading.Event()
+    leave = threading.Event()
+
+    def report(round_index: int, _error: str | None) -> None:
+        reports.append(round_index)
+        reported.set()
+        assert leave.wait(60)  # the thread stays alive until the next save has been asked for
+
+    writer = BackgroundSaver(path, report)
+    assert writer.save(0, {"w": torch.zeros(4)}, {"round": 1})
+    assert reported.wait(60)
+    threading.Timer(0.2, leave.set).start()  # the report returns a moment later
+    assert writer.save(1, {"w": torch.ones(4)}, {"round": 2})  # waits for it, then writes
+    writer.close()
+    assert reports == [0, 1] and writer.skipped == 0
+    assert checkpoint.load(path)[1] == {"round": 2}

@@ -149,17 +149,19 @@ async def test_rounds_the_daemon_says_to_skip_are_left_out_but_never_the_last(tm
     path = tmp_path / "run.ckpt"
     worker = await start_worker(algorithm="noloco", rounds=8, checkpoint_path=str(path), overlap=overlap)
 
-    async def outer_go(round_index: int, skip: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def outer_go(round_index: int, skip: object, *, saved: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        # ``saved``: wait for the checkpoint too (a round's save is skipped while the last
+        # write is still going: only the first one is sure to be written).
         await worker.send("outer_go", round=round_index, peer=False, skip=skip)
         seen: dict[str, dict[str, Any]] = {}
-        while not {"outer_done", "saved", "round_done"} <= seen.keys():
+        while not {"outer_done", "round_done", *(["saved"] if saved else [])} <= seen.keys():
             message = await receive(worker)
             seen.setdefault(message["t"], message)
         return seen["outer_done"], seen["round_done"]
 
     await receive(worker)  # ready
     assert (await receive(worker))["round"] == 0
-    done, after = await outer_go(0, 3)
+    done, after = await outer_go(0, 3, saved=True)
     assert done["skipped"] == 3 and after["round"] == 4
     _, meta = checkpoint.load(path)
     assert meta["round"] == 4  # a restart (or a joiner given this state) goes on at round 4

@@ -86,6 +86,8 @@ def _parse(data: bytes) -> dict[str, torch.Tensor]:
 def _checked(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor's bytes, sorted by name, after refusing what a checkpoint must not hold."""
     for name, tensor in tensors.items():
+        if name == "__metadata__":
+            raise ValueError("a tensor cannot be named __metadata__ (the header's own key)")
         if tensor.dtype not in DTYPES:
             raise ValueError(f"{name}: cannot store dtype {tensor.dtype}")
         if tensor.is_floating_point() and not all_finite(tensor):

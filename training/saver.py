@@ -78,10 +78,12 @@ class BackgroundSaver:
         """Copied for the next save; None: that round's staging was skipped (a write busy)."""
         self.skipped = 0
         """Rounds not written because the last write was still going."""
+        self._reported = threading.Event()
+        """The write in flight is on disk (its report going out, its thread about to end)."""
 
     def busy(self) -> bool:
-        """A write is under way (one that has ended is collected here)."""
-        if self._thread is not None and not self._thread.is_alive():
+        """A write is under way: its file not on disk yet (one that is, is collected here)."""
+        if self._thread is not None and (self._reported.is_set() or not self._thread.is_alive()):
             self.wait()
         return self._thread is not None
 
@@ -116,6 +118,7 @@ class BackgroundSaver:
         if any(t.device.type == "cuda" for t in tensors.values()):
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record()
+        self._reported = threading.Event()
         self._thread = threading.Thread(
             target=self._write, args=(round_index, copies, dict(meta), copied), name="checkpoint", daemon=False
         )
@@ -151,6 +154,9 @@ class BackgroundSaver:
         except Exception as exc:  # a bug of ours: said to the daemon (status), not a silent thread's end
             logger.exception("the checkpoint of round %d could not be written", round_index)
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # The file is on disk: a save from now on writes (it waits for this report to go
+        # out first, so reports stay in order), also one the report itself brings about.
+        self._reported.set()
         try:
             self._report(round_index, error)
         except (OSError, ValueError):  # the daemon went away (a closed pipe): the main loop sees it too

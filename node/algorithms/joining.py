@@ -1,4 +1,5 @@
-"""A φ/Δ node's saved state for late joiners: offered after every round, fetched at a join.
+"""A φ/Δ node's saved state for late joiners: offered after each written round (each one
+where the writer keeps up: training/saver.py), fetched at a join.
 
 Without it a node that joins a NoLoCo or DiLoCo run late (or comes back having lost its
 disk) starts at round 0 with fresh weights: its peers are rounds ahead, so it trains
