@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from node.algorithms.noloco.lag import MAX_LAG, PULL_AHEAD_ROUNDS, catch_up_steps, lag_of, rounds_to_skip
-from node.algorithms.noloco.pairing import PAST_THE_RUN_POINTS, Pairing, _Round
+from node.algorithms.noloco.pairing import PAST_THE_RUN_POINTS, Pairing, _Round, scheduled_partner
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -345,3 +345,99 @@ async def test_a_peer_saying_it_is_past_the_runs_last_round_is_not_believed_and_
             assert await pa.find_partner(1, *box, [b.peer_id, c.peer_id], timeout_s=600) is None
         assert pa.lag == pa.vouched_lag == MAX_LAG and rounds_to_skip(pa.vouched_lag) == MAX_LAG
         assert a.peers.penalty(b.peer_id) == lies  # the truth costs nothing
+
+
+def test_the_schedule_pairs_every_member_alike_and_changes_partners_round_to_round() -> None:
+    """Greedy pairing alone kept pairs for many rounds (node/algorithms/noloco/pairing.py):
+    the schedule is a perfect matching every member computes alike, new each round."""
+    members = [f"peer-{i}" for i in range(4)]
+    rounds = 300
+    counts: dict[frozenset[str], int] = {}
+    same_as_before = 0
+    previous = None
+    for round_index in range(rounds):
+        partners = {m: scheduled_partner("run", round_index, m, [p for p in members if p != m]) for m in members}
+        assert all(partners[p] == m for m, p in partners.items() if p is not None)  # mutual
+        assert None not in partners.values()  # an even count: nobody left out
+        pair = frozenset(("peer-0", partners["peer-0"]))
+        counts[pair] = counts.get(pair, 0) + 1
+        same_as_before += partners["peer-0"] == previous
+        previous = partners["peer-0"]
+    # Each of peer-0's three partners a third of the rounds: 100 ± 6 standard deviations
+    # (√(300·⅓·⅔) ≈ 8.2); the same partner as last round a third of the time likewise.
+    assert len(counts) == 3 and all(abs(c - rounds / 3) <= 6 * 8.2 for c in counts.values())
+    assert abs(same_as_before - (rounds - 1) / 3) <= 6 * 8.2
+    # Another run, another schedule; an odd count leaves exactly one member out.
+    assert [scheduled_partner("other", r, "peer-0", members[1:]) for r in range(20)] != [
+        scheduled_partner("run", r, "peer-0", members[1:]) for r in range(20)
+    ]
+    five = [*members, "peer-4"]
+    alone = [m for m in five if scheduled_partner("run", 7, m, [p for p in five if p != m]) is None]
+    assert len(alone) == 1
+
+
+async def test_nodes_pair_with_their_scheduled_partner_though_others_reach_the_boundary_first() -> None:
+    """Two nodes at the boundary before their scheduled partners: greedy, they paired with
+    each other (the only two there); now each waits for its own, a moment later."""
+    async with nodes(4) as group:
+        ids = [h.peer_id for h, _ in group]
+        schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
+        early = ids[0]
+        late = [schedule[early], next(p for p in ids if p not in (early, schedule[early]))]
+        results: dict[str, str | None] = {}
+
+        async def one(i: int) -> None:
+            host, pairing = group[i]
+            if host.peer_id in late:
+                await trio.sleep(0.5)  # after the early two are at their boundary (window: 2 s)
+            outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
+            others = [p for p in ids if p != host.peer_id]
+            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=20)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+        assert results == schedule
+
+
+async def test_a_scheduled_partner_that_never_comes_is_given_up_after_the_window() -> None:
+    """The window is bounded: a node whose scheduled partner never comes to the round (its
+    host up, "still computing") goes back to the others once it ends, as before the
+    schedule: they are paired, so it pulls one's payload when its sweeps end; the others
+    pair as scheduled."""
+    async with nodes(4) as group:
+        ids = [h.peer_id for h, _ in group]
+        schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
+        gone = schedule[ids[0]]
+        here = [i for i, p in enumerate(ids) if p != gone]
+        results: dict[str, str | None] = {}
+        pulled: dict[str, bool] = {}
+
+        async def one(i: int) -> None:
+            host, pairing = group[i]
+            outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
+            others = [p for p in ids if p != host.peer_id]
+            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=20)
+            pulled[host.peer_id] = pairing.last_pulled
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in here:
+                    nursery.start_soon(one, i)
+        others = [ids[i] for i in here[1:]]
+        assert all(results[p] == schedule[p] and not pulled[p] for p in others)
+        assert results[ids[0]] in others and pulled[ids[0]]
+
+
+async def test_the_larger_id_hears_its_scheduled_partner_cannot_come_and_stops_waiting() -> None:
+    """The larger id of a scheduled pair mostly waits to be asked; it still asks once a
+    second, so a partner past the round (or far behind, or gone) ends its window at once
+    instead of after a quarter of its round time."""
+    async with nodes(2) as group:
+        (_, pa), (b, pb) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)  # pa: the larger id
+        pb._last_round = 5  # b is past round 1: it says "never"
+        pa._last_round, pa._boundary_at, pa._round_s = 0, trio.current_time(), 240.0  # a window of 60 s
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        with trio.fail_after(30):  # not the window's 60 s, nor the bound's 600
+            assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None

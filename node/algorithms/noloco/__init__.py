@@ -49,6 +49,7 @@ class Noloco(PayloadRounds):
             is_member=ctx.is_member,
             upload_limit=ctx.upload_limit,
             rounds=ctx.run.rounds,
+            schedule_seed=ctx.state.run_id,
         )
         self._partner: str | None = None
         """This round's partner, until the worker's outer step says what it made of it."""

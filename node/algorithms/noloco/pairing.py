@@ -32,6 +32,25 @@ out the bound. Everything is
 bounded by ``timeout_s``: with no partner by then, the round goes on alone (NoLoCo skips
 the γ term), and a slow or dead peer never holds anyone longer than that.
 
+Whom to ask first: a schedule every node computes alike. Greedy pairing alone kept the
+same pairs round after round: two nodes that paired reach their next boundary together
+(they waited for each other's payload) and pair again before anyone else is there; in a
+4-node run (micro, H = 20, 30 rounds) a node had last round's partner again in 23 of 29
+rounds, two halves of the swarm trained apart for 14 rounds in a row, and their replicas
+drifted (the partner check saw 6× our update at the crossing). NoLoCo's mixing needs a
+random partner each round. So each round has a scheduled partner: the members (our
+live partners and us) sorted by a hash of (the run, the round, the peer id) and paired
+in that order (``scheduled_partner``; an odd one out has none). For a share of our round
+time (``PREFER_SHARE``, half; at most a quarter of the bound) from our boundary we pair only
+with it: the one of the two with the smaller id asks it every sweep, the other mostly
+waits to be asked (it asks once a second, to hear a "never"), and anyone else asking
+hears "later" (waiting for this round's partner). The scheduled
+partner saying "never" (past the round, far behind, gone), or the window ending, sends
+us back to asking everyone as before. The worker trains on meanwhile (``outer.overlap``:
+half a round by default), so the wait costs the overlapped steps' staleness, not compute.
+A peer id is an input of the hash but not a choice of partner: a stranger who grinds an
+id to land beside a victim in one round does not land beside it in the next.
+
 Pulls: pairs leave one node out whenever an odd number reach a round together, and a node
 that reached it late (a joiner still starting up, a restarted one) finds everyone paired or
 gone on. Such a node asks for a pull instead:
@@ -50,9 +69,10 @@ under way at most ``pull_grace_s`` for the payload's size, then cuts them: a slo
 delays our round by at most that, once per round.
 """
 
+import hashlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,9 +119,33 @@ PULL_RESERVE_S = 5.0
 # three full-speed nodes beside a slow one went alone in 12 of 30 rounds.
 NEAR_BOUNDARY = 0.5
 ROUND_TIME_WEIGHT = 0.3
+# How long from our boundary we pair only with the round's scheduled partner: this share of
+# our round time (by our recent rounds), at most a quarter of the pairing bound; before we
+# know our round time, FIRST_PREFER_S. A quarter let most pairs miss their schedule in a
+# micro run (rounds of ~0.55 s: 74 of 116 as scheduled, the same partner as last round in
+# 72%); half: 96 of 114, and 48 of 48 with tiny's ~7 s rounds (docs/training.md).
+PREFER_SHARE = 0.5
+FIRST_PREFER_S = 2.0
+WAITING_FOR_PARTNER = "waiting for this round's partner"
+SCHEDULED_SLOW_ASK_S = 1.0
 # A peer saying it is at a round past the run's last lies (an honest one stops there):
 # its word is dropped, and costs it this (it would make us skip rounds: ``rounds_to_skip``).
 PAST_THE_RUN_POINTS = 1
+
+
+def scheduled_partner(seed: str, round_index: int, me: str, peers: Iterable[str]) -> str | None:
+    """Our partner of round ``round_index`` by the run's schedule (None: the odd one out):
+    ``peers`` and ``me`` sorted by a hash of (``seed``, the round, the id), paired in that
+    order. Every node with the same view of the members computes the same pairs."""
+
+    def rank(peer_id: str) -> bytes:
+        return hashlib.blake2b(f"{seed}\x00{round_index}\x00{peer_id}".encode(), digest_size=16).digest()
+
+    members = sorted({*peers, me}, key=rank)
+    i = members.index(me)
+    if i % 2:
+        return members[i - 1]
+    return members[i + 1] if i + 1 < len(members) else None
 
 
 def backoff_s(ask_s: float, draw: float) -> float:
@@ -143,6 +187,15 @@ class _Round:
     """We ask for pulls: the payload may be of a round up to ``PULL_AHEAD_ROUNDS`` past ours."""
     told: dict[str, int] = field(default_factory=dict)
     """The round each peer we asked said it is at (its busy answers)."""
+    scheduled: str | None = None
+    """This round's scheduled partner, while we still wait for it (None: not, or no more)."""
+    scheduled_until: float = 0.0
+    """When we stop waiting for it (trio time)."""
+    scheduled_ask_at: float = 0.0
+    """When the larger id of the two asks it next (trio time)."""
+
+    def waiting_for_scheduled(self) -> bool:
+        return self.scheduled is not None and trio.current_time() < self.scheduled_until
 
 
 @dataclass(slots=True)
@@ -164,8 +217,11 @@ class Pairing:
         is_member: Callable[[str], bool],
         upload_limit: RateLimit = UNLIMITED,
         rounds: int = 1 << 62,
+        schedule_seed: str = "",
     ) -> None:
         self._host = host
+        self._schedule_seed = schedule_seed
+        """What the partner schedule hashes besides the round (the run's id)."""
         self._rounds = rounds
         """The run's rounds: no honest peer says it is at a round past them."""
         self._is_member = is_member
@@ -260,6 +316,10 @@ class Pairing:
             )
         self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
+        current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
+        prefer_s = FIRST_PREFER_S if self._round_s is None else PREFER_SHARE * self._round_s
+        current.scheduled_until = now + min(prefer_s, timeout_s / 4)
+        current.scheduled_ask_at = now + SCHEDULED_SLOW_ASK_S
         self._round = current
         self._pulls = _Pulls(round_index, outbox)
         # The end of the bound is kept for a pull: peers behind us keep us asking ("later")
@@ -318,9 +378,14 @@ class Pairing:
             if self._host.tensor_refusal(p) is None and self._is_member(p) and p not in current.no_shows
         ]
         order = random.sample(allowed, len(allowed))
+        if current.scheduled not in allowed:
+            current.scheduled = None
         while current.partner is None:
             if not order:
                 return  # everyone is paired for this round or already past it: go on alone now
+            if current.waiting_for_scheduled():
+                await self._pair_scheduled(current, order, sweep_until=sweep_until)
+                continue
             for peer_id in list(order):
                 if current.partner is not None or trio.current_time() >= sweep_until:
                     return
@@ -355,6 +420,44 @@ class Pairing:
                 await changed.wait()  # someone paired with us, or a pause before the next sweep
             if trio.current_time() >= sweep_until:
                 return  # what is left of the bound is for a pull
+
+    async def _pair_scheduled(self, current: _Round, order: list[str], *, sweep_until: float) -> None:
+        """One sweep of the window for this round's scheduled partner: the smaller id asks it
+        every sweep, the other every ``SCHEDULED_SLOW_ASK_S`` (mostly it is asked: two
+        asking each other at once both hear "asking"), so a partner that cannot come (past
+        the round, far behind, gone) says so to either; its "never" ends the window."""
+        scheduled = current.scheduled
+        assert scheduled is not None
+        lower = self._host.peer_id < scheduled
+        if lower or trio.current_time() >= current.scheduled_ask_at:
+            async with self._asking:
+                if current.partner is not None:
+                    return
+                current.asking = scheduled
+                try:
+                    answer = await self._ask(scheduled, current)
+                finally:
+                    current.asking = None
+                if answer == "accept":
+                    current.partner = scheduled
+                    if current.early is not None:
+                        current.inbox[:] = current.early
+                        current.received = True
+                    self._start_sending(current)
+                    return
+                current.early = None
+            if answer == "never":
+                if scheduled in order:
+                    order.remove(scheduled)
+                current.scheduled = None
+                return
+            current.scheduled_ask_at = trio.current_time() + SCHEDULED_SLOW_ASK_S
+        deadline = trio.current_time() + random.uniform(*RETRY_PAUSE_S) if lower else current.scheduled_ask_at
+        changed = self._changed
+        if current.partner is not None:
+            return
+        with trio.move_on_at(min(deadline, current.scheduled_until, sweep_until)):
+            await changed.wait()  # it asked us and we paired, or the pause is over
 
     async def _pull(self, current: _Round, candidates: list[str]) -> None:
         """Nobody can pair with us for this round: take one peer's payload of it one way."""
@@ -458,6 +561,8 @@ class Pairing:
             verdict = ("never", "already paired")
         elif nbytes != len(current.outbox):
             verdict = ("never", f"payload of {nbytes} bytes, ours is {len(current.outbox)}")
+        elif current.waiting_for_scheduled() and stream.peer_id != current.scheduled:
+            verdict = ("later", WAITING_FOR_PARTNER)
         elif self._asking.locked():
             verdict = ("later", ASKING)
         else:
