@@ -380,6 +380,8 @@ async def test_nodes_pair_with_their_scheduled_partner_though_others_reach_the_b
     """Two nodes at the boundary before their scheduled partners: greedy, they paired with
     each other (the only two there); now each waits for its own, a moment later."""
     async with nodes(4) as group:
+        for _, pairing in group:
+            pairing._round_s = 40.0  # a window of min(0.5 * 40 s, a quarter of the 40 s bound)
         ids = [h.peer_id for h, _ in group]
         schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
         early = ids[0]
@@ -389,16 +391,42 @@ async def test_nodes_pair_with_their_scheduled_partner_though_others_reach_the_b
         async def one(i: int) -> None:
             host, pairing = group[i]
             if host.peer_id in late:
-                await trio.sleep(0.5)  # after the early two are at their boundary (window: 2 s)
+                await trio.sleep(0.5)  # after the early two are at their boundary (window: 10 s)
             outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
             others = [p for p in ids if p != host.peer_id]
-            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=20)
+            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=40)
 
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     nursery.start_soon(one, i)
         assert results == schedule
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.2, 0.9])
+async def test_the_window_is_at_most_the_runs_overlap_share_of_a_round(overlap: float) -> None:
+    """While pairing, the worker trains the next round's first ``outer.overlap`` share of
+    steps: a longer wait would stall it (with overlap 0, any wait would): the window is
+    min(half, overlap) of our round time, none at 0."""
+    async with nodes(2) as group:
+        (_, pairing), (other, _) = group
+        pairing._prefer_share = min(0.5, overlap)  # as Noloco builds it from the run's settings
+        pairing._round_s = 40.0
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        seen: list[float] = []
+
+        async def look() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            current = pairing._round
+            assert current is not None
+            seen.append(current.scheduled_until - pairing._boundary_at)  # type: ignore[operator]
+            pairing._notify()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            with trio.move_on_after(1):
+                await pairing.find_partner(0, *box, [other.peer_id], timeout_s=400)
+        assert seen == [pytest.approx(min(0.5, overlap) * 40.0)]
 
 
 async def test_a_scheduled_partner_that_never_comes_is_given_up_after_the_window() -> None:
@@ -441,3 +469,37 @@ async def test_the_larger_id_hears_its_scheduled_partner_cannot_come_and_stops_w
         box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
         with trio.fail_after(30):  # not the window's 60 s, nor the bound's 600
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
+
+
+async def test_the_larger_id_takes_its_scheduled_partners_question_while_asking_it_itself() -> None:
+    """The larger id asks its scheduled partner once in a while (to hear a "never"); on a
+    loaded machine that question can take seconds, and the smaller id's questions then
+    heard "asking" until the window was gone (a second reader paired 4 of 8 times within
+    it). The larger id now takes its scheduled partner's question even while asking."""
+    async with nodes(2) as group:
+        (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
+        for _, pairing in group:
+            pairing._round_s = 40.0  # a window of 10 s (a quarter of the 40 s bound)
+        small_done = trio.Event()
+
+        async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
+            await small_done.wait()  # a question that takes as long as the smaller id's pairing
+            return "asking"
+
+        pl._ask = stuck_question  # type: ignore[method-assign]
+        results: dict[str, str | None] = {}
+
+        async def one(host: Host, pairing: Pairing, delay: float) -> None:
+            await trio.sleep(delay)  # the larger id first: its question out after 1 s
+            box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+            other = small.peer_id if host is large else large.peer_id
+            results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=40)
+            if host is small:
+                small_done.set()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, large, pl, 0.0)
+                nursery.start_soon(one, small, ps, 1.5)
+        assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
+        assert not ps.last_pulled  # paired (without the rule: a pull once its sweeps ran out)

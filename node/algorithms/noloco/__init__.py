@@ -50,6 +50,7 @@ class Noloco(PayloadRounds):
             upload_limit=ctx.upload_limit,
             rounds=ctx.run.rounds,
             schedule_seed=ctx.state.run_id,
+            prefer_share=ctx.run.outer.overlap,
         )
         self._partner: str | None = None
         """This round's partner, until the worker's outer step says what it made of it."""

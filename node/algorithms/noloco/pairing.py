@@ -48,8 +48,15 @@ hears "later" (waiting for this round's partner). The scheduled
 partner saying "never" (past the round, far behind, gone), or the window ending, sends
 us back to asking everyone as before. The worker trains on meanwhile (``outer.overlap``:
 half a round by default), so the wait costs the overlapped steps' staleness, not compute.
-A peer id is an input of the hash but not a choice of partner: a stranger who grinds an
-id to land beside a victim in one round does not land beside it in the next.
+The window is the run's ``outer.overlap`` share at most (the steps the worker trains
+while we pair; none with overlap 0). What it costs, bounded by the window each time: a
+member (the run id and the members are public) can grind a peer id that is a victim's
+scheduled partner in many chosen rounds (a second reader found one for 8 of 20 rounds
+among 60,000 ids, chance ~3) and answer "later" there: the victim waits out the window
+and pulls instead of pairing, and no penalty follows. Views of the members that differ
+(a peer one node banned, a joiner still starting, a node past its expected boundary that
+keeps answering "later") make the schedule disagree for some nodes: each loses at most
+the window, then pairs or pulls as before.
 
 Pulls: pairs leave one node out whenever an odd number reach a round together, and a node
 that reached it late (a joiner still starting up, a restarted one) finds everyone paired or
@@ -218,10 +225,14 @@ class Pairing:
         upload_limit: RateLimit = UNLIMITED,
         rounds: int = 1 << 62,
         schedule_seed: str = "",
+        prefer_share: float = PREFER_SHARE,
     ) -> None:
         self._host = host
         self._schedule_seed = schedule_seed
         """What the partner schedule hashes besides the round (the run's id)."""
+        self._prefer_share = min(PREFER_SHARE, prefer_share)
+        """The window's share of our round time: at most the run's ``outer.overlap`` (the
+        steps the worker trains while we pair), so the wait stalls no compute; 0: none."""
         self._rounds = rounds
         """The run's rounds: no honest peer says it is at a round past them."""
         self._is_member = is_member
@@ -317,8 +328,8 @@ class Pairing:
         self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
         current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
-        prefer_s = FIRST_PREFER_S if self._round_s is None else PREFER_SHARE * self._round_s
-        current.scheduled_until = now + min(prefer_s, timeout_s / 4)
+        prefer_s = FIRST_PREFER_S if self._round_s is None else self._prefer_share * self._round_s
+        current.scheduled_until = now + (min(prefer_s, timeout_s / 4) if self._prefer_share > 0 else 0.0)
         current.scheduled_ask_at = now + SCHEDULED_SLOW_ASK_S
         self._round = current
         self._pulls = _Pulls(round_index, outbox)
@@ -438,6 +449,8 @@ class Pairing:
                     answer = await self._ask(scheduled, current)
                 finally:
                     current.asking = None
+                if current.partner is not None:
+                    return  # it asked us meanwhile and we took it
                 if answer == "accept":
                     current.partner = scheduled
                     if current.early is not None:
@@ -451,7 +464,10 @@ class Pairing:
                     order.remove(scheduled)
                 current.scheduled = None
                 return
-            current.scheduled_ask_at = trio.current_time() + SCHEDULED_SLOW_ASK_S
+            # Slower still where questions are slow (a loaded machine): the smaller id's asks
+            # must find us not asking.
+            gap = max(SCHEDULED_SLOW_ASK_S, BACKOFF_TIMES_ASK * self._ask_s)
+            current.scheduled_ask_at = trio.current_time() + gap
         deadline = trio.current_time() + random.uniform(*RETRY_PAUSE_S) if lower else current.scheduled_ask_at
         changed = self._changed
         if current.partner is not None:
@@ -563,7 +579,13 @@ class Pairing:
             verdict = ("never", f"payload of {nbytes} bytes, ours is {len(current.outbox)}")
         elif current.waiting_for_scheduled() and stream.peer_id != current.scheduled:
             verdict = ("later", WAITING_FOR_PARTNER)
-        elif self._asking.locked():
+        elif self._asking.locked() and not (
+            stream.peer_id == current.scheduled
+            and current.waiting_for_scheduled()
+            and stream.peer_id < self._host.peer_id
+        ):
+            # (Our scheduled partner of the smaller id is the one who asks: taken even while we
+            # ask it ourselves, only to hear a "never"; our question then hears "asking".)
             verdict = ("later", ASKING)
         else:
             verdict = None
