@@ -446,7 +446,8 @@ async def test_a_scheduled_partner_that_never_comes_is_given_up_after_the_window
             host, pairing = group[i]
             outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
             others = [p for p in ids if p != host.peer_id]
-            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=20)
+            # A bound of 8 s: the window 2 s (the first round's), the sweeps until 6 s, then a pull.
+            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=8)
             pulled[host.peer_id] = pairing.last_pulled
 
         with trio.fail_after(30):
