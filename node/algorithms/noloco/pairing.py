@@ -403,19 +403,9 @@ class Pairing:
                 async with self._asking:
                     if current.partner is not None:
                         return
-                    current.asking = peer_id
-                    try:
-                        answer = await self._ask(peer_id, current)
-                    finally:
-                        current.asking = None
-                    if answer == "accept":
-                        current.partner = peer_id
-                        if current.early is not None:
-                            current.inbox[:] = current.early
-                            current.received = True
-                        self._start_sending(current)
+                    answer = await self._ask_to_pair(current, peer_id)
+                    if current.partner is not None:
                         return
-                    current.early = None
                     if answer == "never":
                         order.remove(peer_id)
                 if answer == "asking":
@@ -432,6 +422,26 @@ class Pairing:
             if trio.current_time() >= sweep_until:
                 return  # what is left of the bound is for a pull
 
+    async def _ask_to_pair(self, current: _Round, peer_id: str) -> str:
+        """Ask ``peer_id`` to pair (our asking lock held); on "accept" it is our partner and
+        our payload starts out. The answer (``_ask``'s)."""
+        current.asking = peer_id
+        try:
+            answer = await self._ask(peer_id, current)
+        finally:
+            current.asking = None
+        if current.partner is not None:
+            return answer  # our scheduled partner asked us meanwhile and we took it (``_answer``)
+        if answer == "accept":
+            current.partner = peer_id
+            if current.early is not None:
+                current.inbox[:] = current.early
+                current.received = True
+            self._start_sending(current)
+        else:
+            current.early = None
+        return answer
+
     async def _pair_scheduled(self, current: _Round, order: list[str], *, sweep_until: float) -> None:
         """One sweep of the window for this round's scheduled partner: the smaller id asks it
         every sweep, the other every ``SCHEDULED_SLOW_ASK_S`` (mostly it is asked: two
@@ -444,21 +454,9 @@ class Pairing:
             async with self._asking:
                 if current.partner is not None:
                     return
-                current.asking = scheduled
-                try:
-                    answer = await self._ask(scheduled, current)
-                finally:
-                    current.asking = None
+                answer = await self._ask_to_pair(current, scheduled)
                 if current.partner is not None:
-                    return  # it asked us meanwhile and we took it
-                if answer == "accept":
-                    current.partner = scheduled
-                    if current.early is not None:
-                        current.inbox[:] = current.early
-                        current.received = True
-                    self._start_sending(current)
-                    return
-                current.early = None
+                    return  # it accepted, or asked us meanwhile and we took it
             if answer == "never":
                 if scheduled in order:
                     order.remove(scheduled)
