@@ -10,12 +10,12 @@ What stays on the training path is the copy: into CPU buffers kept from round to
 (page-locked on CUDA, copied without waiting; the thread waits for the copy's event), so
 the next round's inner steps can change the weights at once. One write at a time: a
 round whose save finds the last write still going skips its own (training never waits
-for the disk), except the run's last round, which waits and writes. On the H200 (issue 14,
-gpt-125m, H = 50) a write took 7.6 s and a round 1.7 s: waiting for each write stalled
-training 70% of the time; now a round is written when the last write has ended (bench/gpu_outer.py
-counts them). A restart resumes at
-the newest file's round (the rounds since are trained again, or skipped to catch up with
-peers). A skipped round is logged at debug and counted (``skipped``).
+for the disk), except the run's last round, which waits and writes. On the H200 (issue
+14, gpt-125m, H = 50) a write took 7.6 s and a round 1.7 s: waiting for each write
+stalled training 70% of the time; now a round is written when the last write has ended
+(bench/gpu_outer.py counts them). A restart resumes at the newest file's round (the
+rounds since are trained again, or skipped to catch up with peers). A skipped round is
+logged at debug and counted (``skipped``).
 
 Each write ends in ``{t: "saved", round, save_error}`` to the daemon (training/ipc.py),
 sent by the thread: the daemon offers the file to joiners only then. The file is written
