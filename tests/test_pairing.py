@@ -38,18 +38,27 @@ async def nodes(count: int) -> AsyncIterator[list[tuple[Host, Pairing]]]:
         nursery.cancel_scope.cancel()
 
 
-async def run_round(group: list[tuple[Host, Pairing]], *, timeout_s: float) -> list[tuple[str | None, bytes]]:
+async def run_round(
+    group: list[tuple[Host, Pairing]],
+    *,
+    timeout_s: float,
+    present: list[int] | None = None,
+    late_s: dict[int, float] | None = None,
+) -> list[tuple[str | None, bytes]]:
+    """Round 0 at the nodes of ``present`` (all by default; every other node is a candidate
+    all the same), node i reaching its boundary ``late_s[i]`` seconds after the others."""
     results: list[tuple[str | None, bytes]] = [(None, b"")] * len(group)
 
     async def one(i: int) -> None:
         host, pairing = group[i]
+        await trio.sleep((late_s or {}).get(i, 0.0))  # when it reaches its boundary: the scenario's
         outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
         others = [h.peer_id for h, _ in group if h is not host]
         partner = await pairing.find_partner(0, outbox, inbox, others, timeout_s=timeout_s)
         results[i] = (partner, bytes(inbox))
 
     async with trio.open_nursery() as nursery:
-        for i in range(len(group)):
+        for i in range(len(group)) if present is None else present:
             nursery.start_soon(one, i)
     return results
 
@@ -386,21 +395,10 @@ async def test_nodes_pair_with_their_scheduled_partner_though_others_reach_the_b
         schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
         early = ids[0]
         late = [schedule[early], next(p for p in ids if p not in (early, schedule[early]))]
-        results: dict[str, str | None] = {}
-
-        async def one(i: int) -> None:
-            host, pairing = group[i]
-            if host.peer_id in late:
-                await trio.sleep(0.5)  # after the early two are at their boundary (window: 10 s)
-            outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
-            others = [p for p in ids if p != host.peer_id]
-            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=40)
-
+        # The late two after the early two are at their boundary (the window: 10 s).
         with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(one, i)
-        assert results == schedule
+            results = await run_round(group, timeout_s=40, late_s={ids.index(p): 0.5 for p in late})
+        assert {ids[i]: partner for i, (partner, _) in enumerate(results)} == schedule
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.2, 0.9])
@@ -439,24 +437,12 @@ async def test_a_scheduled_partner_that_never_comes_is_given_up_after_the_window
         schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
         gone = schedule[ids[0]]
         here = [i for i, p in enumerate(ids) if p != gone]
-        results: dict[str, str | None] = {}
-        pulled: dict[str, bool] = {}
-
-        async def one(i: int) -> None:
-            host, pairing = group[i]
-            outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
-            others = [p for p in ids if p != host.peer_id]
-            # A bound of 8 s: the window 2 s (the first round's), the sweeps until 6 s, then a pull.
-            results[host.peer_id] = await pairing.find_partner(0, outbox, inbox, others, timeout_s=8)
-            pulled[host.peer_id] = pairing.last_pulled
-
+        # A bound of 8 s: the window 2 s (the first round's), the sweeps until 6 s, then a pull.
         with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for i in here:
-                    nursery.start_soon(one, i)
-        others = [ids[i] for i in here[1:]]
-        assert all(results[p] == schedule[p] and not pulled[p] for p in others)
-        assert results[ids[0]] in others and pulled[ids[0]]
+            results = await run_round(group, timeout_s=8, present=here)
+        others = here[1:]
+        assert all(results[i][0] == schedule[ids[i]] and not group[i][1].last_pulled for i in others)
+        assert results[0][0] in {ids[i] for i in others} and group[0][1].last_pulled
 
 
 async def test_the_larger_id_hears_its_scheduled_partner_cannot_come_and_stops_waiting() -> None:
@@ -481,17 +467,19 @@ async def test_the_larger_id_takes_its_scheduled_partners_question_while_asking_
         (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
         for _, pairing in group:
             pairing._round_s = 40.0  # a window of 10 s (a quarter of the 40 s bound)
-        small_done = trio.Event()
+        small_done, asked = trio.Event(), trio.Event()
 
         async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
+            asked.set()
             await small_done.wait()  # a question that takes as long as the smaller id's pairing
             return "asking"
 
         pl._ask = stuck_question  # type: ignore[method-assign]
         results: dict[str, str | None] = {}
 
-        async def one(host: Host, pairing: Pairing, delay: float) -> None:
-            await trio.sleep(delay)  # the larger id first: its question out after 1 s
+        async def one(host: Host, pairing: Pairing, after: trio.Event | None) -> None:
+            if after is not None:
+                await after.wait()  # the smaller id once the larger one's question is out
             box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
             other = small.peer_id if host is large else large.peer_id
             results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=40)
@@ -500,7 +488,7 @@ async def test_the_larger_id_takes_its_scheduled_partners_question_while_asking_
 
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, large, pl, 0.0)
-                nursery.start_soon(one, small, ps, 1.5)
+                nursery.start_soon(one, large, pl, None)
+                nursery.start_soon(one, small, ps, asked)
         assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
         assert not ps.last_pulled  # paired (without the rule: a pull once its sweeps ran out)

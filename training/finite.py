@@ -18,12 +18,7 @@ import torch
 
 def all_finite(t: torch.Tensor) -> bool:
     """Every value of ``t`` is finite (an empty tensor's are; integer tensors always are)."""
-    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
-        return True
-    if t.is_complex():
-        return all_finite(torch.view_as_real(t))
-    low, high = torch.aminmax(t)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return all_finite_each((t,))
 
 
 def all_finite_each(tensors: Iterable[torch.Tensor]) -> bool:
