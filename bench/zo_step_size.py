@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                     code = zo.encode_g(g, zo_config.g_max) if g == g else 0
                     clipped += (code & 0x7F) == zo.LEVELS
                     updates.append((seed, code))
-            zo.apply_updates(params, updates, zo_config)
+            zo.apply_updates(params, [updates], zo_config)
             loss = val_loss()
             curve.append(round(loss, 4) if loss == loss else None)
             if loss != loss or loss > 3 * start:

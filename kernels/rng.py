@@ -29,6 +29,8 @@ reference below (int64 tensors; the 32-bit multiply is split in 16-bit halves so
 intermediate exceeds 2**63), and the Triton kernel in kernels/zo_apply.py (uint32).
 """
 
+from collections.abc import Sequence
+
 import torch
 
 VERSION = 1
@@ -84,6 +86,19 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def hash_index(index: torch.Tensor, ka: int | torch.Tensor, kb: int | torch.Tensor) -> torch.Tensor:
     """bits(s, p, i) of a tensor of indices i, from the key pair of (s, p)."""
     return _mix((_mix(index ^ ka) + kb) & M32)
+
+
+def keys(seeds: Sequence[int], num_params: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``key(s, p)`` for every seed and parameter index p < ``num_params`` at once, derived
+    with torch's integer ops on ``device`` (the seeds go up in one copy):
+    [num_params, 2 (ka, kb), len(seeds)], int64 holding uint32 values."""
+    if not all(0 <= seed < 1 << 64 for seed in seeds) or not 0 <= num_params <= M32 + 1:
+        raise ValueError(f"seeds must be in [0, 2**64) and at most 2**32 parameters, got {num_params}")
+    halves = torch.tensor([[seed >> 32, seed & M32] for seed in seeds], dtype=torch.int64).reshape(-1, 2)
+    halves = halves.to(device)
+    salted = _mix(torch.arange(num_params, dtype=torch.int64, device=device) ^ PARAM_SALT)
+    ka = _mix(_mix(salted[:, None] ^ halves[None, :, 0]) ^ halves[None, :, 1])
+    return torch.stack([ka, _mix(ka ^ KEY_SALT)], dim=1)
 
 
 def bits(

@@ -8,33 +8,50 @@ Every peer must end with the same bits, so the arithmetic is fixed (both generat
   log's canonical order (c_k·z is exact: z = ±1, so fused multiply-add changes nothing);
 - then θ ← θ − acc, once, in float32.
 
+That is one *group* (one round of the log: the worker sums a round's updates together).
+A call may carry many groups (``ends``: where each ends): per element, each group's acc in
+turn, θ ← θ − acc after each, so the bits are those of one call per group, while θ is read
+and written once for all of them (a replay's rounds, thousands of updates a pass).
+
 ``apply_reference`` does that with torch on any device (chunked, so its temporaries stay
 small). ``apply_triton`` runs the fused GPU kernels: one read and one write of θ whatever K
-is, z generated in registers (kernels/rng.py's definitions in uint32). Version 1's kernel
-makes one hash per element and update; version 2's works on a [words, 32] tile and makes
-one hash per word (32 elements) and update, each element taking its bit by a shift.
+is, z generated in registers (kernels/rng.py's definitions in uint32), the keys of every
+(seed, parameter) derived on the device (``rng.keys``: no Python loop per update) and
+uploaded once a call. Version 1's kernel makes one hash per element and update; version
+2's works on a [words, 32] tile, meant to make one hash per word (32 elements).
 
 What is checked where:
 
-- tests/test_zo_apply.py, on any machine: the reference's arithmetic, chunking and order;
+- tests/test_zo_apply.py, on any machine: the reference's arithmetic, chunking, order and
+  groups (one call with groups = one call per group, bit for bit);
 - the same file on a CUDA machine with Triton: both kernels against the CPU reference bit
   for bit (compared as int32, so −0.0 ≠ +0.0), K = 1, 3, 8, 64, sizes off a multiple of 32
   and of the block, several parameters and block sizes, coefficients ±0, subnormal, and
-  large enough that sums overflow to ±inf; and that ``apply`` takes the kernels on CUDA;
+  large enough that sums overflow to ±inf, in one group and in three (one empty); and
+  that ``apply`` takes the kernels on CUDA;
 - Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, the CUDA check bypassed in a
   script outside the repository; Triton 3.9 on this CPU machine): both kernels gave the
-  reference's bits for K = 1, 3, 8, 64, blocks 32 to 4096, up to 100,003 elements. It runs
-  the kernels with NumPy, so it says nothing of the GPU's float rounding or denormals;
+  reference's bits for K = 1, 3, 8, 64, blocks 32 to 4096, up to 100,003 elements; since
+  groups (2026-11-27), for groups [1], [3], [8], [64], [2, 0, 5, 1], [0] and 16 × [4], blocks
+  32, 1024 and 4096, sizes 1 to 3,079 and special values. It runs the kernels with NumPy, so
+  it says nothing of the GPU's float rounding or denormals. Both kernels also compile for
+  sm_90 here (``triton.compile`` with a ``GPUTarget``, Triton's own ptxas: no GPU needed);
 - on an H200 (2026-11-26, `scripts/gpu_checks`): the CUDA tests above passed, both kernels
-  bit for bit.
+  bit for bit (before groups and the keys on the device: the next device session reruns them).
 
 Speed there (bench/zo_apply.py --mparams 256, fraction of a device copy's bandwidth):
 version 1 0.88 / 0.26 / 0.036 at K = 1 / 8 / 64, version 2 0.85 / 0.24 / 0.031 (block
-4096; 0.65-1.0× version 1): one hash per 32 elements does not pay on the GPU as written;
-per element and update the shift, select and add remain, and Triton likely makes each
-word's hash in every thread holding part of it (the generated code not read yet).
+4096; 0.65-1.0× version 1): one hash per 32 elements does not pay on the GPU as written.
+Why, from the compiled code (TTGIR for sm_90, block 4096, 8 warps): Triton lays the
+[128 words, 32] tile out as ``sizePerThread [1, 1], threadsPerWarp [1, 32], warpsPerCTA
+[8, 1]``: a warp's 32 threads hold the 32 lanes of the same 16 words, and each thread
+computes the hash of each word it touches, so every element still costs a whole hash
+(version 1's count), plus the shift. A layout where one thread holds many elements of a
+word is what version 2 needs (not expressible in plain Triton's layout choice for this
+tile; Gluon or a bit order across the block would do it).
 """
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -97,35 +114,54 @@ def _negative_fn(work: int, version: int) -> NegativeFn:
     return _compiled[version]
 
 
+def bounds(ends: Sequence[int] | None, count: int) -> list[int]:
+    """[0, end of group 0, end of group 1, …]: ``ends`` checked (non-decreasing, the last
+    one ``count``); None is one group of all ``count`` updates."""
+    ends = [count] if ends is None else list(ends)
+    edges = [0, *ends]
+    if not ends or ends[-1] != count or any(b < a for a, b in itertools.pairwise(edges)):
+        raise ValueError(f"group ends must rise to the {count} updates, got {ends[:8]}")
+    return edges
+
+
 @torch.no_grad()
 def apply_reference(
-    params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, version: int = 1
+    params: Sequence[torch.Tensor],
+    seeds: Sequence[int],
+    coeffs: torch.Tensor,
+    *,
+    version: int = 1,
+    ends: Sequence[int] | None = None,
 ) -> None:
-    """In place, on the parameters' device, in the canonical order; z of generator ``version``."""
+    """In place, on the parameters' device, in the canonical order; z of generator
+    ``version``. ``ends``: where each summed group ends (cumulative); the bits are those of
+    one call per group, in order (θ ← θ − acc after each group)."""
     _check(params, seeds, coeffs)
+    edges = bounds(ends, len(seeds))
     values = coeffs.tolist()
     negative_fn = _negative_fn(sum(p.numel() for p in params) * len(seeds), version)
     # Version 2's chunks start at a word (its 32 signs come from one hash).
     chunk = CHUNK if version == 1 else max(rng.SIGNS_PER_WORD, CHUNK - CHUNK % rng.SIGNS_PER_WORD)
-    for p, param in enumerate(params):
+    table = rng.keys(seeds, len(params)).tolist() if seeds else [[[], []] for _ in params]
+    for param, (kas, kbs) in zip(params, table, strict=True):
         flat = param.view(-1)
-        keys = [rng.key(seed, p) for seed in seeds]
         for start in range(0, flat.numel(), chunk):
             count = min(chunk, flat.numel() - start)
             index = torch.arange(start, start + count, dtype=torch.int64, device=param.device)
-            acc = torch.zeros(count, dtype=torch.float32, device=param.device)
-            for (ka, kb), c in zip(keys, values, strict=True):
-                negative = negative_fn(index, torch.tensor(ka), torch.tensor(kb))
-                acc += torch.where(negative, -c, c)
-            flat[start : start + count] -= acc
+            segment = flat[start : start + count]
+            for begin, end in itertools.pairwise(edges):
+                acc = torch.zeros(count, dtype=torch.float32, device=param.device)
+                for ka, kb, c in zip(kas[begin:end], kbs[begin:end], values[begin:end], strict=True):
+                    negative = negative_fn(index, torch.tensor(ka), torch.tensor(kb))
+                    acc += torch.where(negative, -c, c)
+                segment -= acc
 
 
 def _keys(seeds: Sequence[int], num_params: int, device: torch.device) -> torch.Tensor:
-    """Every parameter's key pairs in one upload: [parameter, ka | kb, update], int32."""
-    pairs = torch.tensor([[rng.key(seed, p) for seed in seeds] for p in range(num_params)], dtype=torch.int64)
+    """Every parameter's key pairs, derived on ``device``: [parameter, ka | kb, update], int32."""
+    pairs = rng.keys(seeds, num_params, device=device)
     # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernels bitcast.
-    signed = torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32)
-    return signed.transpose(1, 2).contiguous().to(device)
+    return torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32).contiguous()
 
 
 DEFAULT_BLOCK = {1: 1024, 2: 4096}
@@ -151,23 +187,26 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _apply_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, num_updates, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Version 1: one hash per element and update."""
+    def _apply_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, bounds_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Version 1: one hash per element and update. Group g is updates
+        [bounds[g], bounds[g + 1]); θ stays in registers from group to group."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         theta = tl.load(theta_ptr + offsets, mask=mask)  # in flight while the hashes are made
         index = offsets.to(tl.uint32)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(num_updates):
-            ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
-            kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
-            c = tl.load(coeff_ptr + k)
-            h = _mix(_mix(index ^ ka) + kb)
-            acc += tl.where((h >> 31) != 0, -c, c)
-        tl.store(theta_ptr + offsets, theta - acc, mask=mask)
+        for g in range(num_groups):
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in range(tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1)):
+                ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
+                kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
+                c = tl.load(coeff_ptr + k)
+                h = _mix(_mix(index ^ ka) + kb)
+                acc += tl.where((h >> 31) != 0, -c, c)
+            theta = theta - acc
+        tl.store(theta_ptr + offsets, theta, mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _apply_v2_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, num_updates, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _apply_v2_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, bounds_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         """Version 2: a [words, 32] tile of θ, the hash made on the [words] vector, bit j of
         the word for lane j. Each thread holding part of a word makes its hash (with Triton's
         usual 4-element vectors, likely 8 threads a word: 4 elements per hash against
@@ -183,15 +222,17 @@ if triton is not None:
         theta = tl.load(theta_ptr + offsets, mask=mask)
         index = word.to(tl.uint32)
         to_sign_bit = (31 - lane).to(tl.uint32)[None, :]  # bit j of the word up to bit 31
-        acc = tl.zeros([WORDS, 32], dtype=tl.float32)
-        for k in range(num_updates):
-            ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
-            kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
-            c = tl.load(coeff_ptr + k).to(tl.uint32, bitcast=True)
-            h = _mix(_mix(index ^ ka) + kb)
-            sign = (h[:, None] << to_sign_bit) & 0x80000000
-            acc += (sign ^ c).to(tl.float32, bitcast=True)
-        tl.store(theta_ptr + offsets, theta - acc, mask=mask)
+        for g in range(num_groups):
+            acc = tl.zeros([WORDS, 32], dtype=tl.float32)
+            for k in range(tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1)):
+                ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
+                kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
+                c = tl.load(coeff_ptr + k).to(tl.uint32, bitcast=True)
+                h = _mix(_mix(index ^ ka) + kb)
+                sign = (h[:, None] << to_sign_bit) & 0x80000000
+                acc += (sign ^ c).to(tl.float32, bitcast=True)
+            theta = theta - acc
+        tl.store(theta_ptr + offsets, theta, mask=mask)
 
 
 def _require_cuda(params: Sequence[torch.Tensor]) -> None:
@@ -207,13 +248,14 @@ def apply_triton(
     coeffs: torch.Tensor,
     *,
     version: int = 1,
+    ends: Sequence[int] | None = None,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """The fused kernel of generator ``version``: CUDA parameters only; same bits as
-    ``apply_reference``. ``block``: elements per program (a power of two, at least 32;
-    by default ``DEFAULT_BLOCK[version]``);
-    ``num_warps``: by default ``num_warps_for(block)``."""
+    ``apply_reference`` (``ends`` as there: every group in one launch per parameter).
+    ``block``: elements per program (a power of two, at least 32; by default
+    ``DEFAULT_BLOCK[version]``); ``num_warps``: by default ``num_warps_for(block)``."""
     if triton is None:
         raise RuntimeError("Triton is not installed (CUDA builds of torch bring it)")
     if version not in rng.VERSIONS:
@@ -222,24 +264,37 @@ def apply_triton(
     if block < rng.SIGNS_PER_WORD or block & (block - 1):
         raise ValueError(f"block must be a power of two of at least {rng.SIGNS_PER_WORD}, got {block}")
     _check(params, seeds, coeffs)
+    edges = bounds(ends, len(seeds))
     if not seeds or not params:
         return
     _require_cuda(params)
     kernel = _apply_kernel if version == 1 else _apply_v2_kernel
     warps = num_warps_for(block) if num_warps is None else num_warps
-    keys, values = _keys(seeds, len(params), params[0].device), coeffs.to(params[0].device)
+    device = params[0].device
+    keys, values = _keys(seeds, len(params), device), coeffs.to(device)
+    starts = torch.tensor(edges, dtype=torch.int32).to(device)
     for p, param in enumerate(params):
         if param.device != keys.device:
-            keys, values = keys.to(param.device), values.to(param.device)
+            keys, values, starts = keys.to(param.device), values.to(param.device), starts.to(param.device)
         grid = (triton.cdiv(param.numel(), block),)
-        kernel[grid](param, param.numel(), keys[p, 0], keys[p, 1], values, len(seeds), BLOCK=block, num_warps=warps)
+        kernel[grid](
+            param, param.numel(), keys[p, 0], keys[p, 1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
+        )
 
 
-def apply(params: Sequence[torch.Tensor], seeds: Sequence[int], coeffs: torch.Tensor, *, version: int = 1) -> None:
+def apply(
+    params: Sequence[torch.Tensor],
+    seeds: Sequence[int],
+    coeffs: torch.Tensor,
+    *,
+    version: int = 1,
+    ends: Sequence[int] | None = None,
+) -> None:
     """The fused kernel of ``version`` on CUDA when Triton is there, the reference otherwise
     (same bits: tests/test_zo_apply.py compares each kernel with the reference bit for bit
-    where a GPU is present; see the module docstring for what has run where)."""
+    where a GPU is present; see the module docstring for what has run where). ``ends``:
+    the groups, as ``apply_reference`` takes them."""
     if version in rng.VERSIONS and triton is not None and params and all(p.device.type == "cuda" for p in params):
-        apply_triton(params, seeds, coeffs, version=version)
+        apply_triton(params, seeds, coeffs, version=version, ends=ends)
     else:
-        apply_reference(params, seeds, coeffs, version=version)
+        apply_reference(params, seeds, coeffs, version=version, ends=ends)

@@ -90,3 +90,15 @@ def test_out_of_range_inputs_are_refused() -> None:
         rng.key(-1, 0)
     with pytest.raises(ValueError, match="element indices"):
         rng.bits(0, 0, 2, offset=2**32 - 1)
+
+
+def test_keys_at_once_are_the_definitions_keys() -> None:
+    """rng.keys (torch integer ops, on any device) against key() for seeds at the edges."""
+    seeds = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 12345]
+    table = rng.keys(seeds, 5)
+    assert table.shape == (5, 2, len(seeds))
+    for p in range(5):
+        assert [tuple(pair) for pair in table[p].T.tolist()] == [rng.key(seed, p) for seed in seeds]
+    assert rng.keys([], 3).shape == (3, 2, 0)
+    with pytest.raises(ValueError, match="seeds"):
+        rng.keys([2**64], 1)

@@ -74,7 +74,7 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
         x, y = t.shard.batch(batch_size=16, seed=1, step=step)
         seed = zo.step_seed(1, 0, step)
         g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps)  # type: ignore[misc]
-        zo.apply_updates(params, [(seed, zo.encode_g(g, config.g_max))], config)
+        zo.apply_updates(params, [[(seed, zo.encode_g(g, config.g_max))]], config)
     assert t.val_loss() < before - 0.005
 
 
@@ -86,4 +86,47 @@ def test_the_default_step_size_scales_with_the_model() -> None:
     assert 2.9e-3 < zo.step_size(ZoConfig(), micro) < 3.1e-3  # the value tuned on micro before
     assert zo.step_size(ZoConfig(lr=1e-3), micro) == 1e-3  # a run's explicit choice stands
     with pytest.raises(ValueError, match="step_size"):
-        zo.apply_updates([torch.zeros(3)], [(1, 0x7F)], ZoConfig())
+        zo.apply_updates([torch.zeros(3)], [[(1, 0x7F)]], ZoConfig())
+
+
+def test_coefficients_at_once_are_the_one_by_one_recipe_for_every_code() -> None:
+    from kernels import zo_apply
+
+    config = ZoConfig(lr=3.7e-4, g_max=11.0)
+    codes = list(range(256))
+    one_by_one = zo_apply.coefficients(config.lr, [zo.decode_g(code, config.g_max) for code in codes])
+    at_once = zo.coefficients(codes, config)
+    assert torch.equal(one_by_one.view(torch.int32), at_once.view(torch.int32))  # −0.0 for code 0x80 too
+    with pytest.raises(ValueError, match="one byte"):
+        zo.coefficients([256], config)
+
+
+def test_pending_rounds_go_together_with_the_bits_of_one_pass_a_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.algorithms import zo as zo_worker
+
+    config = ZoConfig(lr=1e-2)
+    rounds = [[(1, 10), (2, 200)], [], [(3, 40)], [(4, 90), (5, 7)], [(6, 255)], [(8, 1)]]
+    one_by_one = [torch.linspace(-1, 1, 301), torch.ones(5, 7)]
+    batched = [t.clone() for t in one_by_one]
+    for group in rounds:
+        zo.apply_updates(one_by_one, [group], config)
+    passes: list[int] = []
+    real = zo.apply_updates
+
+    def counted(params: list[torch.Tensor], groups: list[list[tuple[int, int]]], cfg: ZoConfig) -> None:
+        passes.append(len(groups))
+        real(params, groups, cfg)
+
+    monkeypatch.setattr(zo, "apply_updates", counted)
+    monkeypatch.setattr(zo_worker, "REPLAY_BATCH_UPDATES", 3)
+    pending = zo_worker.Pending(batched, config)
+    for group in rounds:
+        pending.add(group)
+    assert passes == [2, 2]  # at three updates pending (the empty round is none): one pass for two rounds
+    pending.flush()
+    assert passes == [2, 2, 1]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(one_by_one, batched, strict=True))
+    pending.add([(7, 3)])
+    pending.drop()  # a rewind or rebuild replaces the weights: nothing pending is applied
+    pending.flush()
+    assert passes == [2, 2, 1]

@@ -1,5 +1,7 @@
 """Applying K updates in one pass: the canonical arithmetic, chunking, and the GPU kernel."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -7,6 +9,10 @@ from kernels import rng, zo_apply
 
 SEEDS = [3, 99, 2**63 + 5, 12345]
 GS = [0.5, -1.25, 3.0, -0.001]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))  # torch.equal(0.0, -0.0) is True
 
 
 def params() -> list[torch.Tensor]:
@@ -60,6 +66,32 @@ def test_order_is_part_of_the_rule() -> None:
     assert not torch.equal(theta[0], reordered[0])
 
 
+@pytest.mark.parametrize("version", rng.VERSIONS)
+def test_groups_in_one_call_give_the_bits_of_one_call_per_group(version: int) -> None:
+    """A replay applies many rounds in one pass; each round is still its own sum."""
+    gen = torch.Generator().manual_seed(version)
+    sizes = [2, 0, 3, 1, 4]  # an empty group changes nothing
+    seeds = [int(s) for s in torch.randint(0, 2**62, (sum(sizes),), generator=gen)]
+    coeffs = torch.randn(sum(sizes), generator=gen) * 1e-2
+    ends = list(itertools.accumulate(sizes))
+    one_by_one, grouped, summed = params(), params(), params()
+    for begin, end in zip([0, *ends[:-1]], ends, strict=True):
+        zo_apply.apply_reference(one_by_one, seeds[begin:end], coeffs[begin:end], version=version)
+    zo_apply.apply_reference(grouped, seeds, coeffs, version=version, ends=ends)
+    assert all(same_bits(a, b) for a, b in zip(one_by_one, grouped, strict=True))
+    zo_apply.apply_reference(summed, seeds, coeffs, version=version)  # one group: other bits
+    assert not all(same_bits(a, b) for a, b in zip(one_by_one, summed, strict=True))
+
+
+def test_group_ends_must_rise_to_the_number_of_updates() -> None:
+    coeffs = zo_apply.coefficients(1.0, [1.0, 2.0, 3.0])
+    for ends in ([], [2], [1, 4], [2, 1, 3], [-1, 3]):
+        with pytest.raises(ValueError, match="group ends"):
+            zo_apply.apply_reference(params(), [1, 2, 3], coeffs, ends=ends)
+    assert zo_apply.bounds([0, 3, 3], 3) == [0, 0, 3, 3]
+    assert zo_apply.bounds(None, 3) == [0, 3]
+
+
 def test_no_updates_change_nothing_and_bad_inputs_are_refused() -> None:
     theta = params()
     before = [t.clone() for t in theta]
@@ -75,10 +107,6 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or zo_apply.triton 
 # Coefficients the kernels must treat exactly as the reference: ±0 (the xor of the sign bit
 # must give −0.0 for −(+0.0)), subnormals (no flush to zero), and sums that overflow to ±inf.
 SPECIAL_COEFFS = [0.0, -0.0, 1e-45, -1e-45, 2.0**-140, -(2.0**-127), 1.1754942e-38, 3e38, -3e38, 1e30, -0.5, 1e-3]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))  # torch.equal(0.0, -0.0) is True
 
 
 @needs_gpu
@@ -101,6 +129,13 @@ def test_the_triton_kernels_give_the_reference_bits_on_cuda(version: int, num_up
             on_gpu = [t.cuda() for t in theta]
             zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, block=block)
             assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (window, block)
+        # the same updates as groups (a replay's rounds in one launch): the bits of one call a group
+        ends = [len(seeds) // 3, len(seeds) // 3, len(seeds)]  # the middle group empty
+        grouped = [t.clone() for t in theta]
+        zo_apply.apply_reference(grouped, seeds, coeffs, version=version, ends=ends)
+        on_gpu = [t.cuda() for t in theta]
+        zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, ends=ends)
+        assert all(same_bits(a, b.cpu()) for a, b in zip(grouped, on_gpu, strict=True)), (window, ends)
 
 
 @needs_gpu

@@ -17,6 +17,7 @@ bytes and every peer applies every update (kernels/zo_apply.py) in one agreed or
 
 import decimal
 import hashlib
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -116,11 +117,29 @@ def param_hash(params: Sequence[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-@torch.no_grad()
-def apply_updates(params: Sequence[torch.Tensor], updates: Sequence[tuple[int, int]], config: ZoConfig) -> None:
-    """Apply (seed, g code) updates in the given (canonical) order: θ ← θ − Σ lr·g·z
-    (``config.lr`` resolved: ``step_size``)."""
+def coefficients(codes: Sequence[int], config: ZoConfig) -> torch.Tensor:
+    """c_k = float32(lr) · decode_g(code_k) for many codes at once (the same float32
+    products, bit for bit: tests/test_zo.py checks every code)."""
     if not config.lr > 0:
-        raise ValueError("apply_updates needs the resolved step size (step_size), got lr = 0")
-    gs = [decode_g(code, config.g_max) for _, code in updates]
-    zo_apply.apply(params, [seed for seed, _ in updates], zo_apply.coefficients(config.lr, gs), version=config.signs)
+        raise ValueError("ZO updates need the resolved step size (step_size), got lr = 0")
+    table = torch.tensor(list(codes), dtype=torch.int64)
+    if table.numel() and not (int(table.min()) >= 0 and int(table.max()) <= 0xFF):
+        raise ValueError("a g code is one byte")
+    magnitudes = torch.tensor(config.g_max, dtype=torch.float32) * MAGNITUDES[table & 0x7F]
+    gs = torch.where(table & 0x80 != 0, -magnitudes, magnitudes)
+    return gs * torch.tensor(config.lr, dtype=torch.float32)
+
+
+@torch.no_grad()
+def apply_updates(
+    params: Sequence[torch.Tensor], groups: Sequence[Sequence[tuple[int, int]]], config: ZoConfig
+) -> None:
+    """Apply round groups of (seed, g code) updates in the given (canonical) order: per
+    group θ ← θ − Σ lr·g·z, one sum a group (``config.lr`` resolved: ``step_size``). Many
+    groups go in one pass over the weights, with the bits of one call per group."""
+    updates = [update for group in groups for update in group]
+    coeffs = coefficients([code for _, code in updates], config)
+    if not groups:
+        return
+    ends = list(itertools.accumulate(len(group) for group in groups))
+    zo_apply.apply(params, [seed for seed, _ in updates], coeffs, version=config.signs, ends=ends)

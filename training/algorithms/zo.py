@@ -32,6 +32,35 @@ ZO_SNAPSHOTS = 4
 ZO_SNAPSHOT_BUDGET_NBYTES = 2 << 30
 # A round's parts together (zo_apply with more = True until the last): members × steps.
 MAX_UPDATES_PER_ROUND = 1_000_000
+# Whole rounds wait to be applied together until this many updates are pending (or the
+# weights are read): one pass over the weights for many rounds of a replay, with the bits
+# of one pass a round (kernels/zo_apply.py's groups).
+REPLAY_BATCH_UPDATES = 4096
+
+
+class Pending:
+    """Round groups received and not applied yet; ``flush`` before anything reads the weights."""
+
+    def __init__(self, params: Sequence[torch.Tensor], config: ZoConfig) -> None:
+        self._params, self._config = params, config
+        self._groups: list[list[tuple[int, int]]] = []
+        self._count = 0
+
+    def add(self, group: list[tuple[int, int]]) -> None:
+        if group:  # a round whose updates all count zero changes nothing
+            self._groups.append(group)
+            self._count += len(group)
+        if self._count >= REPLAY_BATCH_UPDATES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._groups:
+            zo.apply_updates(self._params, self._groups, self._config)
+        self.drop()
+
+    def drop(self) -> None:
+        """For a rewind or a rebuild: the weights are about to be replaced."""
+        self._groups, self._count = [], 0
 
 
 def _updates(command: dict[str, Any]) -> list[tuple[int, int]]:
@@ -173,28 +202,33 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
         device=str(trainer.device),
     )
     round_parts: list[tuple[int, int]] = []
+    pending = Pending(params, zo_config)
     while True:
         command = ipc.read_blocking(commands, ipc.DAEMON_TYPES)
         kind = command["t"]
         if kind == "stop":
             return
+        if kind != "zo_apply":
+            pending.flush()  # every other command reads the weights
         if kind == "zo_apply":
             rewind, snapshot = _key(command, "rewind"), _key(command, "snapshot")
             if command.get("rebuild") is True:
                 round_parts.clear()
+                pending.drop()
                 snapshots.clear()
                 zo.copy_into(params, genesis)
             elif rewind is not None:
                 round_parts.clear()
+                pending.drop()
                 snapshots.rewind(rewind)
             round_parts += _updates(command)
             if len(round_parts) > MAX_UPDATES_PER_ROUND:
                 raise ipc.IpcError(f"a round of more than {MAX_UPDATES_PER_ROUND} updates")
-            if command.get("more") is not True:  # the round's last part: apply the whole group once
-                if round_parts:
-                    zo.apply_updates(params, round_parts, zo_config)
+            if command.get("more") is not True:  # the round's last part: the whole group is one sum
+                pending.add(round_parts)
                 round_parts = []
                 if snapshot is not None:
+                    pending.flush()
                     snapshots.keep(snapshot)
         elif kind == "zo_go":
             round_index, seeds = command.get("round"), command.get("seeds")
