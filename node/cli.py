@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=NAT_SETTLE_S,
         metavar="S",
-        help=f"with --topology nat: a pair relayed S s after all connected is final (default {NAT_SETTLE_S:g})",
+        help=f"with --topology nat: a pair still relayed after an extra hole-punch round, or S s after all "
+        f"connected, is final (default {NAT_SETTLE_S:g})",
     )
     return parser
 

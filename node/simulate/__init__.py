@@ -70,8 +70,9 @@ STOP_GRACE_S = 10.0
 API_WAIT_S = 60.0
 TOPOLOGIES = ("loopback", "nat")
 NAT_PORT = 4001
-# Behind NATs, a pair still relayed this long after every pair connected stays relayed
-# (DCUtR tries three times, seconds apart; protocol/net/nat.py again after 20 s and 60 s).
+# Behind NATs, a pair still relayed after one of our extra hole-punch rounds ended
+# (protocol/net/nat.py's PUNCH_RETRY_S: ~20 s after it was relayed, past DCUtR's own three
+# tries and our punches at once), or this long after every pair connected, stays relayed.
 NAT_SETTLE_S = 75.0
 
 
@@ -353,7 +354,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 linked = placement.bed is None or (
                     links_settled_at is not None
                     and pairs_now["unconnected"] == 0
-                    and (pairs_now["relayed"] == 0 or now - links_settled_at >= options.nat_settle_s)
+                    and (_relayed_pairs_retried(nodes[1:]) or now - links_settled_at >= options.nat_settle_s)
                 )
                 trained = not options.settings.trains or (
                     late is None
@@ -406,6 +407,20 @@ def _pairs(daemons: list[_Node]) -> dict[str, int]:
     return counts
 
 
+def _relayed_pairs_retried(daemons: list[_Node]) -> bool:
+    """Whether every pair linked only by relay has had an extra hole-punch round end (either side's)."""
+    for i, a in enumerate(daemons):
+        for b in daemons[i + 1 :]:
+            a_id, b_id = a.status.get("peer_id", ""), b.status.get("peer_id", "")
+            if "direct" in {_links(a).get(b_id), _links(b).get(a_id)}:
+                continue
+            retried = ((a.status.get("nat") or {}).get("punch_retries") or {}).get(b_id, 0)
+            retried += ((b.status.get("nat") or {}).get("punch_retries") or {}).get(a_id, 0)
+            if not retried:
+                return False
+    return True
+
+
 def _all_pairs_linked(daemons: list[_Node]) -> bool:
     return _pairs(daemons)["unconnected"] == 0
 
@@ -427,6 +442,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
             "relay_reservations": sorted((s.get("nat") or {}).get("reservations", {})),
             "first_direct_s": (s.get("nat") or {}).get("first_direct_s"),
             "nat_timeline": (s.get("nat") or {}).get("timeline", {}),
+            "punch_retries": (s.get("nat") or {}).get("punch_retries", {}),
             **_training_entry(s.get("training")),
         }
 

@@ -220,6 +220,9 @@ class NatStatus:
     """An IP a dial-back server saw us on that is none of ours (a NAT's), if one did."""
     first_direct_s: float | None = None
     """Seconds from start to the first direct connection to a peer we had reached only by relay."""
+    punch_retries: dict[str, int] = field(default_factory=dict)
+    """Per peer, our extra hole-punch rounds (``PUNCH_RETRY_S``) that ended with the peer
+    still relayed (a simulation calls a pair's link final after one: node/simulate)."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Seconds from start to the first of each step on the way to a hole punch: ``asked``
     (the first dial-back request), ``translated`` (a server saw us on an IP not ours),
@@ -530,12 +533,12 @@ class Nat:
             return
         logger.debug("hole punch to %s: trying again (%d of %d)", peer_id, tries, PUNCH_RETRIES)
         self._dcutr.on_peer_disconnected(parse_peer_id(peer_id))  # resets its attempt budget for this peer
-        self._start_punch(peer_id)
+        self._start_punch(peer_id, retry=True)
 
-    def _start_punch(self, peer_id: str) -> None:
+    def _start_punch(self, peer_id: str, *, retry: bool = False) -> None:
         assert self._nursery is not None
         self._punches.running.add(peer_id)  # now, not when the task starts: the caps count it
-        self._nursery.start_soon(self._punch, peer_id)
+        self._nursery.start_soon(self._punch, peer_id, retry)
 
     def _maybe_redial(self, peer_id: str) -> None:
         """A peer we reached only by relay and lost (a failed hole punch can take the relayed
@@ -557,13 +560,19 @@ class Nat:
                 except DialError as exc:
                     logger.debug("redialing %s: %s", peer_id, exc)
 
-    async def _punch(self, peer_id: str) -> None:
+    async def _punch(self, peer_id: str, retry: bool = False) -> None:
         try:
             await self._dcutr.initiate_hole_punch(parse_peer_id(peer_id))
         except (BaseLibp2pError, OSError, DialError) as exc:
             logger.debug("hole punch to %s: %s", peer_id, exc)
         finally:
             self._punches.running.discard(peer_id)
+            if retry and self.connection_type(peer_id) == "relayed":
+                retries = self.status.punch_retries
+                if len(retries) >= Retries.MAX_PEERS and peer_id not in retries:
+                    retries.clear()  # bounded as the rounds' own bookkeeping is: strangers come and go
+                retries[peer_id] = retries.get(peer_id, 0) + 1
+                self._notify()
 
     # --- dialing through relays ---
 
@@ -875,6 +884,7 @@ class Nat:
             "upnp_addr": s.upnp_addr,
             "translated": s.translated,
             "first_direct_s": s.first_direct_s,
+            "punch_retries": dict(s.punch_retries),
             "timeline": dict(s.timeline),
         }
 
