@@ -154,10 +154,36 @@ def test_apply_takes_the_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch, version
     assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
 
 
-def test_the_compiled_cpu_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    eager, compiled = params(), params()
+@pytest.mark.parametrize("version", rng.VERSIONS)
+@pytest.mark.parametrize("chunk", [32, 64, 1 << 16])
+def test_the_numpy_cpu_path_gives_the_reference_bits(monkeypatch: pytest.MonkeyPatch, version: int, chunk: int) -> None:
+    """apply_cpu (NumPy uint32, what ``apply`` takes on a CPU) against the torch reference,
+    bit for bit: special coefficients and weights, sizes off a word and a chunk, groups."""
+    monkeypatch.setattr(zo_apply, "CPU_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(chunk + version)
+    for sizes in ([1], [3], [12], [2, 0, 5, 1], [0]):
+        coeffs = torch.tensor((SPECIAL_COEFFS + (torch.randn(16, generator=gen) * 1e-3).tolist())[: sum(sizes)])
+        seeds = [int(s) for s in torch.randint(0, 2**62, (sum(sizes),), generator=gen)]
+        seeds[:1] = [2**64 - 1] * len(seeds[:1])  # the largest seed, where there is one
+        theta = [torch.randn(n, generator=gen) for n in (1, 31, 33, 1000, 3 * 1024 + 7, 70_001)]
+        theta.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, -1.0] * 5))
+        expected, got = [t.clone() for t in theta], [t.clone() for t in theta]
+        ends = list(itertools.accumulate(sizes))
+        zo_apply.apply_reference(expected, seeds, coeffs, version=version, ends=ends)
+        zo_apply.apply_cpu(got, seeds, coeffs, version=version, ends=ends)
+        assert all(same_bits(a, b) for a, b in zip(expected, got, strict=True)), sizes
+
+
+def test_apply_takes_the_numpy_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    theta, expected = params(), params()
     coeffs = zo_apply.coefficients(0.1, GS)
-    zo_apply.apply_reference(eager, SEEDS, coeffs)
-    monkeypatch.setattr(zo_apply, "COMPILE_ABOVE", 0)  # every call takes the compiled generator
-    zo_apply.apply_reference(compiled, SEEDS, coeffs)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+    zo_apply.apply_reference(expected, SEEDS, coeffs)
+
+    def no_reference(*args: object, **kwargs: object) -> None:
+        raise AssertionError("apply took the torch reference on a CPU")
+
+    monkeypatch.setattr(zo_apply, "apply_reference", no_reference)
+    zo_apply.apply(theta, SEEDS, coeffs)
+    assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
+    with pytest.raises(ValueError, match="generator version"):
+        zo_apply.apply_cpu(theta, SEEDS, coeffs, version=3)
