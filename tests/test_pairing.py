@@ -43,15 +43,17 @@ async def run_round(
     *,
     timeout_s: float,
     present: list[int] | None = None,
-    late_s: dict[int, float] | None = None,
+    start_after: dict[int, list[trio.Event]] | None = None,
 ) -> list[tuple[str | None, bytes]]:
     """Round 0 at the nodes of ``present`` (all by default; every other node is a candidate
-    all the same), node i reaching its boundary ``late_s[i]`` seconds after the others."""
+    all the same), node i reaching its boundary once the events ``start_after[i]`` are set
+    (what the scenario needs the others to have done first)."""
     results: list[tuple[str | None, bytes]] = [(None, b"")] * len(group)
 
     async def one(i: int) -> None:
         host, pairing = group[i]
-        await trio.sleep((late_s or {}).get(i, 0.0))  # when it reaches its boundary: the scenario's
+        for event in (start_after or {}).get(i, []):
+            await event.wait()
         outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
         others = [h.peer_id for h, _ in group if h is not host]
         partner = await pairing.find_partner(0, outbox, inbox, others, timeout_s=timeout_s)
@@ -393,11 +395,26 @@ async def test_nodes_pair_with_their_scheduled_partner_though_others_reach_the_b
             pairing._round_s = 40.0  # a window of min(0.5 * 40 s, a quarter of the 40 s bound)
         ids = [h.peer_id for h, _ in group]
         schedule = {m: scheduled_partner("", 0, m, [p for p in ids if p != m]) for m in ids}
-        early = ids[0]
-        late = [schedule[early], next(p for p in ids if p not in (early, schedule[early]))]
-        # The late two after the early two are at their boundary (the window: 10 s).
+        early = [ids[0], next(p for p in ids if p not in (ids[0], schedule[ids[0]]))]
+        late = [schedule[p] for p in early]
+
+        # The late two come once each early node asked its scheduled partner and was told it
+        # is not at the round yet (greedy pairing had paired the early two by then).
+        heard = [trio.Event() for _ in early]
+        for p, event in zip(early, heard, strict=True):
+            pairing = group[ids.index(p)][1]
+
+            async def ask(
+                peer_id: str, current: _Round, *, question: str = "pair?", real=pairing._ask, p=p, event=event
+            ) -> str:
+                answer = await real(peer_id, current, question=question)
+                if peer_id == schedule[p] and peer_id in current.told:
+                    event.set()
+                return answer
+
+            pairing._ask = ask  # type: ignore[method-assign]
         with trio.fail_after(60):
-            results = await run_round(group, timeout_s=40, late_s={ids.index(p): 0.5 for p in late})
+            results = await run_round(group, timeout_s=40, start_after={ids.index(p): heard for p in late})
         assert {ids[i]: partner for i, (partner, _) in enumerate(results)} == schedule
 
 
