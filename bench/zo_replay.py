@@ -13,8 +13,7 @@ worker calls it:
 
 Both end with the same bits (checked: the weights' SHA-256 must match, else it exits 1).
 Prints JSON: updates/s of each, and ``grouped_over_per_round``. Each way first runs once
-on another log of the same size (Triton's compile, or torch.compile's for large CPU calls,
-is not timed).
+on another log of the same size (Triton's compile is not timed).
 Issue 14's target: a replay of ≥ 20k updates/s on gpt-125m (on the H100).
 
     python bench/zo_replay.py [--model micro] [--device cpu|cuda] [--rounds 64] [--per-round 4] [--signs 1]

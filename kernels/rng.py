@@ -88,17 +88,30 @@ def hash_index(index: torch.Tensor, ka: int | torch.Tensor, kb: int | torch.Tens
     return _mix((_mix(index ^ ka) + kb) & M32)
 
 
+def seed_halves(seeds: Sequence[int], *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(seeds), 2] int64: (s_hi, s_lo) of each seed (checked), uploaded in one copy."""
+    if not all(0 <= seed < 1 << 64 for seed in seeds):
+        raise ValueError("seeds must be in [0, 2**64)")
+    return torch.tensor([[seed >> 32, seed & M32] for seed in seeds], dtype=torch.int64).reshape(-1, 2).to(device)
+
+
+def param_keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
+    """``key(s, p)`` of every seed (``seed_halves``) for parameter p, with torch's integer
+    ops on the halves' device: [2 (ka, kb), len(seeds)], int64 holding uint32 values."""
+    if not 0 <= param_index <= M32:
+        raise ValueError(f"param_index must be in [0, 2**32), got {param_index}")
+    salted = mix_int(param_index ^ PARAM_SALT)
+    ka = _mix(_mix(salted ^ halves[:, 0]) ^ halves[:, 1])
+    return torch.stack([ka, _mix(ka ^ KEY_SALT)])
+
+
 def keys(seeds: Sequence[int], num_params: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``key(s, p)`` for every seed and parameter index p < ``num_params`` at once, derived
-    with torch's integer ops on ``device`` (the seeds go up in one copy):
-    [num_params, 2 (ka, kb), len(seeds)], int64 holding uint32 values."""
-    if not all(0 <= seed < 1 << 64 for seed in seeds) or not 0 <= num_params <= M32 + 1:
-        raise ValueError(f"seeds must be in [0, 2**64) and at most 2**32 parameters, got {num_params}")
-    halves = torch.tensor([[seed >> 32, seed & M32] for seed in seeds], dtype=torch.int64).reshape(-1, 2)
-    halves = halves.to(device)
-    salted = _mix(torch.arange(num_params, dtype=torch.int64, device=device) ^ PARAM_SALT)
-    ka = _mix(_mix(salted[:, None] ^ halves[None, :, 0]) ^ halves[None, :, 1])
-    return torch.stack([ka, _mix(ka ^ KEY_SALT)], dim=1)
+    """``key(s, p)`` for every seed and parameter index p < ``num_params``:
+    [num_params, 2 (ka, kb), len(seeds)], int64 holding uint32 values (``param_keys``)."""
+    halves = seed_halves(seeds, device=device)
+    if num_params == 0:
+        return torch.zeros((0, 2, len(seeds)), dtype=torch.int64, device=device)
+    return torch.stack([param_keys(halves, p) for p in range(num_params)])
 
 
 def bits(

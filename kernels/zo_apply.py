@@ -8,6 +8,10 @@ Every peer must end with the same bits, so the arithmetic is fixed (both generat
   log's canonical order (c_k·z is exact: z = ±1, so fused multiply-add changes nothing);
 - then θ ← θ − acc, once, in float32.
 
+A NaN's bits (sign, payload) are not part of the rule: coefficients are finite (the run's
+lr and g_max are bounded), so a NaN in θ means sums overflowed to ±inf and met, a run gone
+wrong, where NumPy, torch and GPUs each return their own NaN.
+
 That is one *group* (one round of the log: the worker sums a round's updates together).
 A call may carry many groups (``ends``: where each ends): per element, each group's acc in
 turn, θ ← θ − acc after each, so the bits are those of one call per group, while θ is read
@@ -20,9 +24,9 @@ reference's bits: torch has no unsigned 32-bit multiply, so the reference splits
 16-bit halves on int64 (a hash of 1 M indices: 24 ms in torch, 1.5 ms in NumPy, one
 thread). ``apply_triton`` runs the fused GPU kernels: one read and one write of θ whatever K
 is, z generated in registers (kernels/rng.py's definitions in uint32), the keys of every
-(seed, parameter) derived on the device (``rng.keys``: no Python loop per update) and
-uploaded once a call. Version 1's kernel makes one hash per element and update; version
-2's works on a [words, 32] tile, meant to make one hash per word (32 elements).
+(seed, parameter) derived on the device (``rng.param_keys``: no Python loop per update),
+the seeds uploaded once a call. Version 1's kernel makes one hash per element and update;
+version 2's works on a [words, 32] tile, meant to make one hash per word (32 elements).
 
 What is checked where:
 
@@ -57,6 +61,7 @@ tile; Gluon or a bit order across the block would do it).
 """
 
 import itertools
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -113,7 +118,7 @@ _NEGATIVE = {1: _negative, 2: _negative_v2}
 def bounds(ends: Sequence[int] | None, count: int) -> list[int]:
     """[0, end of group 0, end of group 1, …]: ``ends`` checked (non-decreasing, the last
     one ``count``); None is one group of all ``count`` updates."""
-    ends = [count] if ends is None else list(ends)
+    ends = [count] if ends is None else [operator.index(end) for end in ends]  # integers only
     edges = [0, *ends]
     if not ends or ends[-1] != count or any(b < a for a, b in itertools.pairwise(edges)):
         raise ValueError(f"group ends must rise to the {count} updates, got {ends[:8]}")
@@ -133,12 +138,15 @@ def apply_reference(
     ``version``. ``ends``: where each summed group ends (cumulative); the bits are those of
     one call per group, in order (θ ← θ − acc after each group)."""
     edges = _check(params, seeds, coeffs, version, ends)
+    if not seeds:
+        return  # θ − 0 would quiet a signalling NaN: every implementation leaves θ as it is
     values = coeffs.tolist()
     negative_fn = _NEGATIVE[version]
     # Version 2's chunks start at a word (its 32 signs come from one hash).
     chunk = CHUNK if version == 1 else max(rng.SIGNS_PER_WORD, CHUNK - CHUNK % rng.SIGNS_PER_WORD)
-    table = rng.keys(seeds, len(params)).tolist() if seeds else [[[], []] for _ in params]
-    for param, (kas, kbs) in zip(params, table, strict=True):
+    halves = rng.seed_halves(seeds)
+    for p, param in enumerate(params):
+        kas, kbs = rng.param_keys(halves, p).tolist()  # one parameter's keys at a time: O(K) memory
         flat = param.view(-1)
         for start in range(0, flat.numel(), chunk):
             count = min(chunk, flat.numel() - start)
@@ -191,10 +199,11 @@ def apply_cpu(
     if not seeds:
         return
     sign_bits = coeffs.detach().cpu().numpy().view(np.uint32)
-    table = rng.keys(seeds, len(params)).numpy().astype(np.uint32)  # [parameter, ka | kb, update]
+    halves = rng.seed_halves(seeds)
     words_per = 1 if version == 1 else rng.SIGNS_PER_WORD
     with np.errstate(over="ignore", invalid="ignore"):  # ±inf and NaN follow IEEE, as in torch: no warnings
-        for param, (kas, kbs) in zip(params, table, strict=True):
+        for p, param in enumerate(params):
+            kas, kbs = rng.param_keys(halves, p).numpy().astype(np.uint32)  # one parameter's: O(K) memory
             _apply_cpu_one(param, kas, kbs, sign_bits, edges, version, words_per)
 
 
@@ -233,9 +242,9 @@ def _apply_cpu_one(
             segment -= acc
 
 
-def _keys(seeds: Sequence[int], num_params: int, device: torch.device) -> torch.Tensor:
-    """Every parameter's key pairs, derived on ``device``: [parameter, ka | kb, update], int32."""
-    pairs = rng.keys(seeds, num_params, device=device)
+def _keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
+    """One parameter's key pairs, derived on the halves' device: [ka | kb, update], int32."""
+    pairs = rng.param_keys(halves, param_index)
     # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernels bitcast.
     return torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32).contiguous()
 
@@ -344,14 +353,15 @@ def apply_triton(
     kernel = _apply_kernel if version == 1 else _apply_v2_kernel
     warps = num_warps_for(block) if num_warps is None else num_warps
     device = params[0].device
-    keys, values = _keys(seeds, len(params), device), coeffs.to(device)
+    halves, values = rng.seed_halves(seeds, device=device), coeffs.to(device)
     starts = torch.tensor(edges, dtype=torch.int32).to(device)
     for p, param in enumerate(params):
-        if param.device != keys.device:
-            keys, values, starts = keys.to(param.device), values.to(param.device), starts.to(param.device)
+        if param.device != halves.device:
+            halves, values, starts = halves.to(param.device), values.to(param.device), starts.to(param.device)
+        keys = _keys(halves, p)  # derived on the device, one parameter at a time: O(K) memory
         grid = (triton.cdiv(param.numel(), block),)
         kernel[grid](
-            param, param.numel(), keys[p, 0], keys[p, 1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
+            param, param.numel(), keys[0], keys[1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
         )
 
 

@@ -187,3 +187,23 @@ def test_apply_takes_the_numpy_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
     with pytest.raises(ValueError, match="generator version"):
         zo_apply.apply_cpu(theta, SEEDS, coeffs, version=3)
+
+
+def test_no_updates_leave_even_a_signalling_nan_as_it_is() -> None:
+    """θ − 0 would quiet a signalling NaN in the reference; the NumPy path and the kernels
+    return before touching θ: every implementation leaves it bit for bit (a second reader's)."""
+    signalling = torch.tensor([0x7F800001, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    for apply in (zo_apply.apply_reference, zo_apply.apply_cpu):
+        theta = [signalling.clone()]
+        apply(theta, [], zo_apply.coefficients(1.0, []))
+        assert same_bits(theta[0], signalling), apply.__name__
+
+
+def test_group_ends_and_g_codes_must_be_integers() -> None:
+    from training import zo
+    from training.settings import ZoConfig
+
+    with pytest.raises(TypeError):
+        zo_apply.bounds([1.5, 3], 3)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        zo.coefficients([1.5], ZoConfig(lr=1e-3))  # type: ignore[list-item]

@@ -18,6 +18,7 @@ bytes and every peer applies every update (kernels/zo_apply.py) in one agreed or
 import decimal
 import hashlib
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -122,7 +123,7 @@ def coefficients(codes: Sequence[int], config: ZoConfig) -> torch.Tensor:
     products, bit for bit: tests/test_zo.py checks every code)."""
     if not config.lr > 0:
         raise ValueError("ZO updates need the resolved step size (step_size), got lr = 0")
-    table = torch.tensor(list(codes), dtype=torch.int64)
+    table = torch.tensor([operator.index(code) for code in codes], dtype=torch.int64)  # integers only
     if table.numel() and not (int(table.min()) >= 0 and int(table.max()) <= 0xFF):
         raise ValueError("a g code is one byte")
     magnitudes = torch.tensor(config.g_max, dtype=torch.float32) * MAGNITUDES[table & 0x7F]
