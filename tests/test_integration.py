@@ -61,6 +61,18 @@ async def test_nodes_find_each_other_through_the_dht_and_converge(short_tmp: Pat
             assert set(state.members) == {n.peer_id for n in nodes}
 
 
+def test_libp2p_kademlia_waits_for_a_silent_peer_as_long_as_our_own_asks_do() -> None:
+    """10 s a peer in libp2p's look-ups and ADD_PROVIDERs: behind NATs, a provide took 20 s."""
+    import libp2p.kad_dht.kad_dht
+    import libp2p.kad_dht.peer_routing
+    import libp2p.kad_dht.provider_store
+
+    from protocol.net.host import DHT_QUERY_TIMEOUT_S
+
+    for module in (libp2p.kad_dht.kad_dht, libp2p.kad_dht.peer_routing, libp2p.kad_dht.provider_store):
+        assert module.QUERY_TIMEOUT == DHT_QUERY_TIMEOUT_S, module.__name__  # type: ignore[attr-defined]
+
+
 async def test_late_joiner_gets_the_full_state(short_tmp: Path) -> None:
     async with open_swarm(short_tmp) as swarm:
         boot, nodes = await start_run(swarm, 3)
