@@ -608,3 +608,49 @@ async def test_a_dial_that_hung_while_the_peer_reached_us_adds_no_relayed_connec
             await held[0].aclose()
             await done.wait()
         assert circuits == [] and a.connection_type(b.peer_id) == "relayed"
+
+
+async def test_a_punch_retry_counts_once_an_exchange_ended_with_the_pair_relayed_and_a_direct_link_forgets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulation calls a relayed pair final once one of our extra punch rounds ended
+    with it still relayed. A retry while another exchange with the peer is under way
+    (libp2p's own driver, or the peer's punch) returns at once: a second reader saw that
+    counted while the peer's punch was still dialing. It counts once that exchange ended,
+    not before, and not at all if it outlasts the bound. A count goes once the link is direct."""
+
+    class Dcutr:
+        exchanges = 0
+        makes_exchange = False
+        busy_for = 0  # how many more looks find an exchange under way
+
+        def exchanges_started(self, peer: object) -> int:
+            return self.exchanges
+
+        def in_progress(self, peer: object) -> bool:
+            self.busy_for -= 1
+            return self.busy_for >= 0
+
+        async def initiate_hole_punch(self, peer: object) -> bool:
+            self.exchanges += self.makes_exchange
+            return False
+
+    async with relay_and_two_private() as (_, a, b):
+        fake = Dcutr()
+        monkeypatch.setattr(a.nat, "_dcutr", fake)
+        monkeypatch.setattr(nat, "PUNCH_POLL_S", 0.01)
+        with monkeypatch.context() as relayed:
+            relayed.setattr(a.nat, "connection_type", lambda peer_id: "relayed")
+            fake.busy_for = 10**9  # an exchange under way past the bound: no round ended
+            relayed.setattr(nat, "PUNCH_ROUND_BOUND_S", 0.05)
+            await a.nat._punch(b.peer_id, retry=True)
+            assert a.nat.status.punch_retries == {}
+            fake.busy_for = 3  # under way for three looks, then over: that round counts
+            await a.nat._punch(b.peer_id, retry=True)
+            assert fake.busy_for < 0 and a.nat.status.punch_retries == {b.peer_id: 1}
+            fake.makes_exchange = True
+            await a.nat._punch(b.peer_id, retry=False)  # a first punch is no extra round
+            await a.nat._punch(b.peer_id, retry=True)  # ours ran
+            assert a.nat.status.punch_retries == {b.peer_id: 2}
+        await a.connect(parse_dial_addr(next(x for x in b.addrs() if not nat.is_circuit(x))), timeout_s=5)
+        await wait_for(a.nat, lambda: b.peer_id not in a.nat.status.punch_retries)

@@ -14,6 +14,9 @@ from protocol.net.host import Host, open_host, parse_dial_addr
 
 pytestmark = pytest.mark.integration
 NBYTES = 4096
+START_AFTER_BOUND_S = 15.0
+"""How long a node of ``run_round`` waits for its ``start_after`` events (a scenario that
+went otherwise fails saying so, not at the test's own bound)."""
 
 
 @asynccontextmanager
@@ -52,8 +55,10 @@ async def run_round(
 
     async def one(i: int) -> None:
         host, pairing = group[i]
-        for event in (start_after or {}).get(i, []):
-            await event.wait()
+        with trio.move_on_after(START_AFTER_BOUND_S) as waited:
+            for event in (start_after or {}).get(i, []):
+                await event.wait()
+        assert not waited.cancelled_caught, f"node {i}: what the scenario waits for before its start never happened"
         outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
         others = [h.peer_id for h, _ in group if h is not host]
         partner = await pairing.find_partner(0, outbox, inbox, others, timeout_s=timeout_s)

@@ -140,6 +140,10 @@ UNILATERAL_S = 1.0
 # Extra hole-punch rounds for a pair still relayed: after 20 s, then 40, 80, 160, 320 s.
 PUNCH_RETRY_S = 20.0
 PUNCH_RETRIES = 5
+# A retry that finds an exchange with the peer under way waits for its end, looking this
+# often, this long at most (a punch to a port-randomising NAT dialed for ~22 s).
+PUNCH_POLL_S = 0.5
+PUNCH_ROUND_BOUND_S = 60.0
 # A hole punch started the moment a relayed connection to a peer appears: per peer at
 # once, then 10 and 20 s after the one before, no more (a peer whose relayed connection
 # comes and goes, as a failed punch or the peer itself can make it, gets the backed-off
@@ -260,6 +264,16 @@ class _HolePunch(DCUtRProtocol):  # type: ignore[misc]  # libp2p's module is unt
         with trio.move_on_after(UNILATERAL_S):
             return bool(await super()._try_unilateral_upgrade(peer_id))
         return False
+
+    def in_progress(self, peer_id: ID) -> bool:
+        """An exchange with the peer is under way (ours, libp2p's driver's, or the peer's)."""
+        return peer_id in self._in_progress
+
+    def exchanges_started(self, peer_id: ID) -> int:
+        """How many DCUtR exchanges we began with the peer since its budget was last reset
+        (libp2p counts one only when the exchange really starts: not when the peer's own
+        punch is under way, nor after a direct dial made it needless)."""
+        return int(self._hole_punch_attempts.get(peer_id, 0))
 
 
 class Punches:
@@ -504,9 +518,11 @@ class Nat:
                     if before.get(peer_id) != "relayed":
                         self._punch_now_if_first(peer_id)
                     self._maybe_punch_again(peer_id)
-                elif peer_id in self._relayed_once and self.status.first_direct_s is None:
-                    self.status.first_direct_s = self._mark("direct")
-                    logger.info("hole punch: direct connection to %s", peer_id)
+                else:
+                    self.status.punch_retries.pop(peer_id, None)  # direct now: a later relay counts afresh
+                    if peer_id in self._relayed_once and self.status.first_direct_s is None:
+                        self.status.first_direct_s = self._mark("direct")
+                        logger.info("hole punch: direct connection to %s", peer_id)
             await _nap(news, watch_interval_s(self.status.reachability, types))
 
     def _punch_now_if_first(self, peer_id: str) -> None:
@@ -561,18 +577,33 @@ class Nat:
                     logger.debug("redialing %s: %s", peer_id, exc)
 
     async def _punch(self, peer_id: str, retry: bool = False) -> None:
+        peer = parse_peer_id(peer_id)
+        before = self._dcutr.exchanges_started(peer)
         try:
-            await self._dcutr.initiate_hole_punch(parse_peer_id(peer_id))
+            await self._dcutr.initiate_hole_punch(peer)
         except (BaseLibp2pError, OSError, DialError) as exc:
             logger.debug("hole punch to %s: %s", peer_id, exc)
         finally:
             self._punches.running.discard(peer_id)
-            if retry and self.connection_type(peer_id) == "relayed":
-                retries = self.status.punch_retries
-                if len(retries) >= Retries.MAX_PEERS and peer_id not in retries:
-                    retries.clear()  # bounded as the rounds' own bookkeeping is: strangers come and go
-                retries[peer_id] = retries.get(peer_id, 0) + 1
-                self._notify()
+        if not retry:
+            return
+        if self._dcutr.exchanges_started(peer) == before:
+            # Ours returned at once: an exchange with the peer was under way (libp2p's own
+            # driver takes the budget our retry reset, or the peer punches us). The round is
+            # that one: it counts once it ended (a second reader saw a retry counted while
+            # the peer's punch still dialed; one to a port-randomising NAT dials ~22 s).
+            for _ in range(int(PUNCH_ROUND_BOUND_S / PUNCH_POLL_S)):
+                if not self._dcutr.in_progress(peer):
+                    break
+                await trio.sleep(PUNCH_POLL_S)  # libp2p's DCUtR tells no end of an exchange
+            else:
+                return
+        if self.connection_type(peer_id) == "relayed":
+            retries = self.status.punch_retries
+            if len(retries) >= Retries.MAX_PEERS and peer_id not in retries:
+                retries.clear()  # bounded as the rounds' own bookkeeping is: strangers come and go
+            retries[peer_id] = retries.get(peer_id, 0) + 1
+            self._notify()
 
     # --- dialing through relays ---
 
