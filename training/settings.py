@@ -117,8 +117,9 @@ class ZoConfig:
     """Largest |g| one byte carries (larger saturates)."""
     signs: int = 1
     """The perturbation generator (kernels/rng.py): 1, one 32-bit hash per sign; 2, 32 signs
-    per hash (cheaper). Every node of a run uses the run's. 1 stays the default, so runs made
-    before version 2 replay as they were, until a GPU kernel of version 2 is checked."""
+    per hash. Every node of a run uses the run's. 1 stays the default: version 2 applies
+    2.1-2.8× faster on a CPU but its GPU kernel (bit for bit on an H200) is no faster there
+    (docs/zo.md)."""
 
     def __post_init__(self) -> None:
         _check(self.signs in (1, 2), f"zo.signs: must be 1 or 2, got {self.signs!r}")
