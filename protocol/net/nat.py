@@ -577,15 +577,17 @@ class Nat:
                     logger.debug("redialing %s: %s", peer_id, exc)
 
     async def _punch(self, peer_id: str, retry: bool = False) -> None:
-        peer = parse_peer_id(peer_id)
-        before = self._dcutr.exchanges_started(peer)
+        peer: ID | None = None
+        before = 0
         try:
+            peer = parse_peer_id(peer_id)
+            before = self._dcutr.exchanges_started(peer)
             await self._dcutr.initiate_hole_punch(peer)
         except (BaseLibp2pError, OSError, DialError) as exc:
             logger.debug("hole punch to %s: %s", peer_id, exc)
         finally:
             self._punches.running.discard(peer_id)
-        if not retry:
+        if not retry or peer is None:
             return
         if self._dcutr.exchanges_started(peer) == before:
             # Ours returned at once: an exchange with the peer was under way (libp2p's own
