@@ -105,15 +105,6 @@ def param_keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
     return torch.stack([ka, _mix(ka ^ KEY_SALT)])
 
 
-def keys(seeds: Sequence[int], num_params: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``key(s, p)`` for every seed and parameter index p < ``num_params``:
-    [num_params, 2 (ka, kb), len(seeds)], int64 holding uint32 values (``param_keys``)."""
-    halves = seed_halves(seeds, device=device)
-    if num_params == 0:
-        return torch.zeros((0, 2, len(seeds)), dtype=torch.int64, device=device)
-    return torch.stack([param_keys(halves, p) for p in range(num_params)])
-
-
 def bits(
     seed: int, param_index: int, count: int, *, offset: int = 0, device: torch.device | str = "cpu"
 ) -> torch.Tensor:

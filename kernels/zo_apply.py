@@ -373,10 +373,10 @@ def apply(
     version: int = 1,
     ends: Sequence[int] | None = None,
 ) -> None:
-    """The fused kernel of ``version`` on CUDA when Triton is there, the reference otherwise
-    (same bits: tests/test_zo_apply.py compares each kernel with the reference bit for bit
-    where a GPU is present; see the module docstring for what has run where). ``ends``:
-    the groups, as ``apply_reference`` takes them."""
+    """The fused kernel of ``version`` on CUDA when Triton is there, ``apply_cpu`` on a CPU,
+    the torch reference otherwise (same bits: tests/test_zo_apply.py compares each with the
+    reference bit for bit, the kernels where a GPU is present; see the module docstring for
+    what has run where). ``ends``: the groups, as ``apply_reference`` takes them."""
     if version in rng.VERSIONS and triton is not None and params and all(p.device.type == "cuda" for p in params):
         apply_triton(params, seeds, coeffs, version=version, ends=ends)
     elif all(p.device.type == "cpu" for p in params):

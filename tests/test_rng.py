@@ -93,12 +93,15 @@ def test_out_of_range_inputs_are_refused() -> None:
 
 
 def test_keys_at_once_are_the_definitions_keys() -> None:
-    """rng.keys (torch integer ops, on any device) against key() for seeds at the edges."""
+    """rng.param_keys (torch integer ops, on any device) against key() for seeds at the edges."""
     seeds = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 12345]
-    table = rng.keys(seeds, 5)
-    assert table.shape == (5, 2, len(seeds))
+    halves = rng.seed_halves(seeds)
     for p in range(5):
-        assert [tuple(pair) for pair in table[p].T.tolist()] == [rng.key(seed, p) for seed in seeds]
-    assert rng.keys([], 3).shape == (3, 2, 0)
+        pairs = rng.param_keys(halves, p)
+        assert pairs.shape == (2, len(seeds))
+        assert [tuple(pair) for pair in pairs.T.tolist()] == [rng.key(seed, p) for seed in seeds]
+    assert rng.param_keys(rng.seed_halves([]), 3).shape == (2, 0)
     with pytest.raises(ValueError, match="seeds"):
-        rng.keys([2**64], 1)
+        rng.seed_halves([2**64])
+    with pytest.raises(ValueError, match="param_index"):
+        rng.param_keys(halves, 2**32)
