@@ -89,7 +89,12 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
     nbytes = theta.numel() * 4
     seeds = list(range(1, k + 1))
     coeffs = zo_apply.coefficients(1e-6, [1.0] * k)
-    row: dict[str, object] = {"k": k, "block": block, "num_warps": zo_apply.num_warps_for(block)}
+    row: dict[str, object] = {
+        "k": k,
+        "block": block,
+        "num_warps": zo_apply.num_warps_for(block, 1),
+        "num_warps_v2": zo_apply.num_warps_for(block, 2),
+    }
     rates: dict[str, float] = {}
     for name, version in (("fused", 1), ("fused_v2", 2)):
         seconds = timed_on_gpu(lambda v=version: zo_apply.apply_triton([theta], seeds, coeffs, version=v, block=block))

@@ -26,7 +26,7 @@ thread). ``apply_triton`` runs the fused GPU kernels: one read and one write of 
 is, z generated in registers (kernels/rng.py's definitions in uint32), the keys of every
 (seed, parameter) derived on the device (``rng.param_keys``: no Python loop per update),
 the seeds uploaded once a call. Version 1's kernel makes one hash per element and update;
-version 2's works on a [words, 32] tile, meant to make one hash per word (32 elements).
+version 2's one per word of 32 elements, in the one thread that holds the word.
 
 What is checked where:
 
@@ -42,22 +42,26 @@ What is checked where:
   script outside the repository; Triton 3.9 on this CPU machine): both kernels gave the
   reference's bits for K = 1, 3, 8, 64, blocks 32 to 4096, up to 100,003 elements; since
   groups (2026-11-27), for groups [1], [3], [8], [64], [2, 0, 5, 1], [0] and 16 × [4], blocks
-  32, 1024 and 4096, sizes 1 to 3,079 and special values. It runs the kernels with NumPy, so
+  32, 1024 and 4096, sizes 1 to 3,079 and special values; version 2's second kernel
+  (2026-11-27) the same, with Triton 3.9's interpreter. It runs the kernels with NumPy, so
   it says nothing of the GPU's float rounding or denormals. Both kernels also compile for
   sm_90 here (``triton.compile`` with a ``GPUTarget``, Triton's own ptxas: no GPU needed);
 - on an H200 (2026-11-26, `scripts/gpu_checks`): the CUDA tests above passed, both kernels
   bit for bit (before groups and the keys on the device: the next device session reruns them).
 
-Speed there (bench/zo_apply.py --mparams 256, fraction of a device copy's bandwidth):
-version 1 0.88 / 0.26 / 0.036 at K = 1 / 8 / 64, version 2 0.85 / 0.24 / 0.031 (block
-4096; 0.65-1.0× version 1): one hash per 32 elements does not pay on the GPU as written.
-Why, from the compiled code (TTGIR for sm_90, block 4096, 8 warps): Triton lays the
-[128 words, 32] tile out as ``sizePerThread [1, 1], threadsPerWarp [1, 32], warpsPerCTA
-[8, 1]``: a warp's 32 threads hold the 32 lanes of the same 16 words, and each thread
-computes the hash of each word it touches, so every element still costs a whole hash
-(version 1's count), plus the shift. A layout where one thread holds many elements of a
-word is what version 2 needs (not expressible in plain Triton's layout choice for this
-tile; Gluon or a bit order across the block would do it).
+Speed there (bench/zo_apply.py --mparams 256, fraction of a device copy's bandwidth, H200,
+2026-11-26): version 1 0.88 / 0.26 / 0.036 at K = 1 / 8 / 64, integer-bound past K = 1.
+Version 2's first kernel ran at 0.85 / 0.24 / 0.031: no faster, because Triton laid its
+[words, 32] tile out with a word's 32 lanes across a warp's 32 threads, each thread making
+the hash of every word it touched (one hash per element, as version 1). Its kernel now
+holds θ as [4, words] tiles, which Triton lays out with a word's lanes in one thread:
+counted in the compiled code for sm_90 (no GPU: ``triton.compile`` for a ``GPUTarget``
+and the cuobjdump Triton ships), the inner loop takes 4.1 instructions per element and
+update (131 for a thread's 32 elements: 32 adds, the shifts and and-xors, one hash)
+against version 1's 21.3 (170 for 8 elements) and the first version 2 kernel's 23.3 (186
+for 8), and no layout conversion inside the loop. What that buys on a GPU is not measured
+yet (the loads and stores are 16 bytes per thread at a 128-byte stride: L1 and L2 merge
+them, but K = 1 may lose some of its bandwidth).
 """
 
 import itertools
@@ -252,12 +256,17 @@ def _keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
 DEFAULT_BLOCK = {1: 1024, 2: 4096}
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
-bandwidth at K = 1 with 1024 (0.86 with 4096), version 2 at 0.24 against 0.18 at K = 8
-with 4096."""
+bandwidth at K = 1 with 1024 (0.86 with 4096). Version 2: 4096 with 4 warps (one word
+of 32 elements a thread, ``num_warps_for``), not measured on a GPU in this layout."""
 
 
-def num_warps_for(block: int) -> int:
-    """Warps per program: 4 up to 2048 elements, 8 from 4096 (16 elements a thread there)."""
+def num_warps_for(block: int, version: int = 1) -> int:
+    """Warps per program. Version 1: 4 up to 2048 elements, 8 from 4096 (16 elements a
+    thread there). Version 2: one per 1024 elements (1 to 8), so that a thread holds one
+    whole word of 32 elements (its kernel makes a word's hash in each thread holding part
+    of it)."""
+    if version == 2:
+        return min(8, max(1, block // 1024))
     return min(8, max(4, block // 512))
 
 
@@ -290,34 +299,77 @@ if triton is not None:
             theta = theta - acc
         tl.store(theta_ptr + offsets, theta, mask=mask)
 
+    @triton.jit
+    def _signed(h, shift, c):  # type: ignore[no-untyped-def]
+        """±c as float32: c's sign bit xor'ed with the bit of ``h`` that ``shift`` moves to
+        bit 31 (IEEE negation flips that bit and nothing else, so the bits are those of
+        where(negative, −c, c), ±0 and subnormals included)."""
+        return (((h << shift) & 0x80000000) ^ c).to(tl.float32, bitcast=True)
+
     @triton.jit  # type: ignore[untyped-decorator]
     def _apply_v2_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, bounds_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Version 2: a [words, 32] tile of θ, the hash made on the [words] vector, bit j of
-        the word for lane j. Each thread holding part of a word makes its hash (with Triton's
-        usual 4-element vectors, likely 8 threads a word: 4 elements per hash against
-        version 1's 1; the generated code not read yet).
-        ±c is c with its sign bit xor'ed (IEEE negation flips that bit and nothing else, so
-        the bits are those of where(negative, −c, c), ±0 and subnormals included), then
-        added in float32 as in the reference."""
+        """Version 2: one hash per word of 32 elements, made by the one thread that holds
+        the word's 32 elements. θ is held as eight [4, words] tiles (tile q: lanes 4q to
+        4q + 3 of each word), words along the tiles' last dimension: Triton lays such a
+        tile out with a word's 4 lanes in one thread and the words across threads, so the
+        hash, made on the [words] vector, is made once per word and thread (with 1024
+        elements per warp, one word per thread). A [words, 32] tile (the first version of
+        this kernel) was laid out with a word's lanes across a warp's 32 threads, each
+        making the word's hash: one hash per element, as version 1. Per element and
+        update (sm_90 SASS, block 4096, 4 warps): 4.1 instructions (a shift, an and-xor,
+        an add, 1/32 of the hash) against version 1's 21."""
         WORDS: tl.constexpr = BLOCK // 32
         word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
-        lane = tl.arange(0, 32)
-        offsets = word[:, None] * 32 + lane[None, :]
-        mask = offsets < n
-        theta = tl.load(theta_ptr + offsets, mask=mask)
+        quad = tl.arange(0, 4)
+        at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
+        t0 = tl.load(theta_ptr + at, mask=at < n)
+        t1 = tl.load(theta_ptr + at + 4, mask=at + 4 < n)
+        t2 = tl.load(theta_ptr + at + 8, mask=at + 8 < n)
+        t3 = tl.load(theta_ptr + at + 12, mask=at + 12 < n)
+        t4 = tl.load(theta_ptr + at + 16, mask=at + 16 < n)
+        t5 = tl.load(theta_ptr + at + 20, mask=at + 20 < n)
+        t6 = tl.load(theta_ptr + at + 24, mask=at + 24 < n)
+        t7 = tl.load(theta_ptr + at + 28, mask=at + 28 < n)
         index = word.to(tl.uint32)
-        to_sign_bit = (31 - lane).to(tl.uint32)[None, :]  # bit j of the word up to bit 31
+        shift = (31 - quad).to(tl.uint32)[:, None]  # bit j of the word up to bit 31: 31 − j
         for g in range(num_groups):
-            acc = tl.zeros([WORDS, 32], dtype=tl.float32)
+            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
             for k in range(tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1)):
                 ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
                 kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
                 c = tl.load(coeff_ptr + k).to(tl.uint32, bitcast=True)
-                h = _mix(_mix(index ^ ka) + kb)
-                sign = (h[:, None] << to_sign_bit) & 0x80000000
-                acc += (sign ^ c).to(tl.float32, bitcast=True)
-            theta = theta - acc
-        tl.store(theta_ptr + offsets, theta, mask=mask)
+                h = _mix(_mix(index ^ ka) + kb)[None, :]
+                a0 += _signed(h, shift, c)
+                a1 += _signed(h, shift - 4, c)
+                a2 += _signed(h, shift - 8, c)
+                a3 += _signed(h, shift - 12, c)
+                a4 += _signed(h, shift - 16, c)
+                a5 += _signed(h, shift - 20, c)
+                a6 += _signed(h, shift - 24, c)
+                a7 += _signed(h, shift - 28, c)
+            t0 = t0 - a0
+            t1 = t1 - a1
+            t2 = t2 - a2
+            t3 = t3 - a3
+            t4 = t4 - a4
+            t5 = t5 - a5
+            t6 = t6 - a6
+            t7 = t7 - a7
+        tl.store(theta_ptr + at, t0, mask=at < n)
+        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
+        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
+        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
+        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
+        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
+        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
+        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
 
 
 def _require_cuda(params: Sequence[torch.Tensor]) -> None:
@@ -340,7 +392,7 @@ def apply_triton(
     """The fused kernel of generator ``version``: CUDA parameters only; same bits as
     ``apply_reference`` (``ends`` as there: every group in one launch per parameter).
     ``block``: elements per program (a power of two, at least 32; by default
-    ``DEFAULT_BLOCK[version]``); ``num_warps``: by default ``num_warps_for(block)``."""
+    ``DEFAULT_BLOCK[version]``); ``num_warps``: by default ``num_warps_for(block, version)``."""
     if triton is None:
         raise RuntimeError("Triton is not installed (CUDA builds of torch bring it)")
     edges = _check(params, seeds, coeffs, version, ends)
@@ -351,7 +403,7 @@ def apply_triton(
         return
     _require_cuda(params)
     kernel = _apply_kernel if version == 1 else _apply_v2_kernel
-    warps = num_warps_for(block) if num_warps is None else num_warps
+    warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
     halves, values = rng.seed_halves(seeds, device=device), coeffs.to(device)
     starts = torch.tensor(edges, dtype=torch.int32).to(device)

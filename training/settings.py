@@ -117,9 +117,11 @@ class ZoConfig:
     """Largest |g| one byte carries (larger saturates)."""
     signs: int = 1
     """The perturbation generator (kernels/rng.py): 1, one 32-bit hash per sign; 2, 32 signs
-    per hash. Every node of a run uses the run's. 1 stays the default: version 2 applies
-    2.1-2.8× faster on a CPU but its GPU kernel (bit for bit on an H200) is no faster there
-    (docs/zo.md)."""
+    per hash. Every node of a run uses the run's. 1 stays the default until version 2 is
+    measured on a GPU: it applies 2.1-2.8× faster on a CPU; its first GPU kernel (bit for
+    bit on an H200) was no faster there, its second takes a fifth of version 1's
+    instructions per element and update in the compiled code (kernels/zo_apply.py) but
+    has not run on a GPU yet (docs/zo.md)."""
 
     def __post_init__(self) -> None:
         _check(self.signs in (1, 2), f"zo.signs: must be 1 or 2, got {self.signs!r}")
