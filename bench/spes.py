@@ -4,6 +4,7 @@ Runs ``swarmtrain simulate`` (real daemons and workers, loopback) for each varia
 
     spes          sparse expert sync on tiny-moe: each node trains only its leased experts
     spes_nomerge  the same with expert merging off (spes.merge_alpha = 0)
+    spes_noprefer the same without the routing preference for owned experts (spes.prefer_owned = 0)
     spes_kill     the same, the last node SIGKILLed --kill-after-s into training
     spes_int8     the same with --compression int8 (shared weights' payloads and expert
                   versions in int8: training/encodings/experts.py)
@@ -21,6 +22,7 @@ issue's ratios (each a ratio of two variants measured in this run):
     memory_ratio_after_kill the same for the survivors of spes_kill at its end
     loss_vs_moe, loss_vs_dense   final loss spes / moe_noloco (≤ 1.05), / dense_noloco (≤ 1.02)
     merge_on_vs_off         final loss spes / spes_nomerge (≤ 1: merging no worse)
+    prefer_on_vs_off        final loss spes / spes_noprefer (the owned experts' routing preference)
     bytes_ratio             bytes sent per node per round spes / moe_noloco at --nodes (≤ 0.5),
                             and at --nodes-wide
     kill_loss_ratio         final loss spes_kill survivors / spes (within 2%)
@@ -50,6 +52,7 @@ from bench.simulation import simulate as run_simulate
 VARIANTS: dict[str, list[str]] = {
     "spes": ["--algorithm", "spes", "--model", "tiny-moe"],
     "spes_nomerge": ["--algorithm", "spes", "--model", "tiny-moe", "--set", "spes.merge_alpha=0"],
+    "spes_noprefer": ["--algorithm", "spes", "--model", "tiny-moe", "--set", "spes.prefer_owned=0"],
     "spes_kill": ["--algorithm", "spes", "--model", "tiny-moe"],
     "spes_int8": ["--algorithm", "spes", "--model", "tiny-moe", "--compression", "int8"],
     "spes_sparse": ["--algorithm", "spes", "--model", "tiny-moe", "--compression", "sparseloco"],
@@ -161,6 +164,8 @@ def main() -> None:
         out["tokens_per_s_ratio"] = mean("spes", "tokens_per_s") / mean("dense_noloco", "tokens_per_s")
     if {"spes", "spes_nomerge"} <= runs.keys():
         out["merge_on_vs_off"] = mean("spes", "final_loss") / mean("spes_nomerge", "final_loss")
+    if {"spes", "spes_noprefer"} <= runs.keys():
+        out["prefer_on_vs_off"] = mean("spes", "final_loss") / mean("spes_noprefer", "final_loss")
     if {"spes", "spes_kill"} <= runs.keys():
         out["kill_loss_ratio"] = mean("spes_kill", "final_loss") / mean("spes", "final_loss")
         out["memory_ratio_after_kill"] = (

@@ -110,6 +110,74 @@ def test_the_bias_moves_toward_balance_only_in_training_steps() -> None:
     assert torch.equal(layer.route_bias, torch.tensor([1.0 - rate, 1.0 - rate, rate, rate]))
 
 
+def test_a_preference_routes_training_tokens_but_balance_counts_the_choice_without_it() -> None:
+    """SPES's ``spes.prefer_owned``: a training forward sends its tokens to the preferred
+    experts (weighted by the router as always); the bias, the load and the auxiliary loss
+    are those of the same forward without the preference; evaluation ignores it."""
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(6))
+    plain, preferring = _layer(False), _layer(False)
+    preferring.preference = torch.tensor([0.0, 0.0, 100.0, 100.0])
+    with torch.no_grad():  # no training step: no preference
+        assert torch.equal(preferring(x), plain(x))
+    preferring.eval()
+    plain.eval()
+    assert torch.equal(preferring(x), plain(x))
+    preferring.train()
+    plain.train()
+    out, reference = preferring(x), plain(x)
+    assert torch.equal(preferring.route_bias, plain.route_bias)
+    assert torch.equal(preferring.load, plain.load)
+    assert torch.equal(preferring.aux_loss, plain.aux_loss)
+    assert not torch.equal(plain.load, torch.tensor([0.0, 0.0, 0.5, 0.5]))  # balance saw another choice
+    # Every token went to experts 2 and 3, weighted by their renormalized router scores.
+    probs = torch.softmax(preferring.router(x), dim=-1).detach()
+    weights = probs[:, 2:] / probs[:, 2:].sum(dim=-1, keepdim=True)
+    expected = sum(
+        weights[:, i : i + 1] * (torch.nn.functional.gelu(x @ preferring.experts[e].w_in) @ preferring.experts[e].w_out)
+        for i, e in enumerate((2, 3))
+    )
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(reference, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_grouped_mm
+def test_a_small_preference_tips_close_choices_alike_on_the_grouped_owned_first_path() -> None:
+    """With experts 0 and 2 frozen, the grouped path (``_OwnedFirst``: owned experts' rows
+    first) and the loop take the same preferred choice, bit for bit."""
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(7))
+    results = []
+    for grouped in (True, False):
+        layer = _layer(grouped)
+        for e, expert in enumerate(layer.experts):
+            expert.requires_grad_(e in (1, 3))
+        before = layer.load.clone()
+        layer.preference = torch.tensor([0.0, 0.1, 0.0, 0.1])
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.sum().backward()
+        results.append([out.detach(), xi.grad, *(p.grad for p in layer.parameters()), layer.route_bias.clone()])
+        assert not torch.equal(layer.load, before)
+    for got, want in zip(*results, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+    layer = _layer(False)
+    with torch.no_grad():
+        plain = torch.topk(torch.softmax(layer.router(x), dim=-1), 2).indices
+    preferred = torch.isin(plain, torch.tensor([1, 3])).sum()
+    assert 0 < preferred < plain.numel()  # 0.1 changes some choices, not all: a close-call test
+
+
+def test_picked_experts_whose_probabilities_underflowed_give_zero_not_nan() -> None:
+    layer = _layer(False).eval()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 1e4  # expert 0 takes all the probability for x[:, 0] > 0
+        layer.route_bias.copy_(torch.tensor([-10.0, 0.0, 5.0, 5.0]))  # but experts 2 and 3 are picked
+        x = torch.zeros(3, 16)
+        x[:, 0] = 1.0
+        out = layer(x)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_the_balance_loss_is_e_times_the_sum_of_load_share_times_mean_probability() -> None:
     layer = _layer(False).eval()
     x = torch.randn(40, 16, generator=torch.Generator().manual_seed(5))

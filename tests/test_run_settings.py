@@ -63,6 +63,21 @@ def test_settings_round_trip_through_every_carrier() -> None:
     assert settings.from_dict({"rounds": 3.0}).rounds == 3
 
 
+def test_a_manifest_without_a_newer_setting_means_what_its_release_did() -> None:
+    """``spes.prefer_owned`` came after manifests without it: there it means 0 (off), as
+    the release that wrote them routed; a user's file or flags without it get the default."""
+    import msgpack
+
+    data = RunSettings(algorithm="spes", model="tiny-moe").to_dict()
+    del data["spes"]["prefer_owned"]
+    assert settings.decode(msgpack.packb(data)).spes.prefer_owned == 0.0
+    assert settings.from_dict(data).spes.prefer_owned == RunSettings().spes.prefer_owned > 0
+    del data["spes"]  # a whole table missing: its newer settings too
+    assert settings.decode(msgpack.packb(data)).spes.prefer_owned == 0.0
+    assert settings.decode(msgpack.packb(data)).spes.merge_alpha == RunSettings().spes.merge_alpha
+    assert settings.decode(RunSettings().encode()) == RunSettings()  # present: as written
+
+
 @pytest.mark.parametrize(
     ("data", "named"),
     [
@@ -76,6 +91,8 @@ def test_settings_round_trip_through_every_carrier() -> None:
         ({"outer": {"delta": 1.0}}, "outer.delta"),
         ({"zo": {"g_max": 0.0}}, "zo.g_max"),
         ({"zo": {"signs": 3}}, "zo.signs"),
+        ({"spes": {"prefer_owned": -0.1}}, "spes.prefer_owned"),
+        ({"spes": {"prefer_owned": 1.5}}, "spes.prefer_owned"),
         ({"zo": 5}, "zo"),
         ({"model": "x" * 1000}, "model"),
         ({"learning_rate": 1.0}, "learning_rate"),

@@ -61,6 +61,24 @@ def test_only_owned_experts_train_and_frozen_ones_have_no_gradient_or_optimizer_
     assert all(not torch.equal(a, b) for a, b in zip(shared_before, t.theta(), strict=True))
 
 
+def test_owned_experts_are_preferred_in_training_routing_only_while_some_are_frozen() -> None:
+    t = spes_trainer(spes=SpesConfig(prefer_owned=0.25))
+    moes = t.model.moes()
+    assert moes and all(m.preference is None for m in moes)
+    t.set_owned(frozenset({1, 3}))
+    for moe in moes:
+        assert moe.preference is not None and moe.preference.tolist() == [0.0, 0.25, 0.0, 0.25]
+    t.set_owned(frozenset({0, 1, 2, 3}))  # all trained: nothing to prefer
+    assert all(m.preference is None for m in moes)
+    t.set_owned(frozenset({2}))
+    assert all(m.preference is not None and m.preference.tolist() == [0.0, 0.0, 0.25, 0.0] for m in moes)
+    off = spes_trainer(spes=SpesConfig(prefer_owned=0.0))
+    off.set_owned(frozenset({1}))
+    assert all(m.preference is None for m in off.model.moes())
+    t.restore(*t.state())  # owns nothing until its daemon says: nothing preferred
+    assert t.owned == frozenset() and all(m.preference is None for m in moes)
+
+
 def test_ownership_changes_keep_what_stays_and_start_gained_experts_afresh() -> None:
     t = spes_trainer()
     t.set_owned(frozenset({0, 1}))

@@ -30,6 +30,11 @@ Balance without a global view (no node sees the others' routing):
 - A small auxiliary loss (Switch Transformer): E · Σ_e f_e · P_e, with f_e the share of
   routed token slots expert e got and P_e its mean router probability; 1 when balanced.
   ``aux_loss`` holds the last forward's value; the model adds it with its weight.
+
+A preference (``preference``: SPES, training/spes.py) is added to the scores when a
+training forward picks experts, on top of the bias: a node that trains only some experts
+sends more of its tokens to them. Both balancers count the choice made without it, so
+they do not work against it, and evaluation (no preference) routes as balanced.
 """
 
 import re
@@ -82,19 +87,35 @@ class MoE(nn.Module):
         self.route_bias: torch.Tensor
         self.register_buffer("route_bias", torch.zeros(num_experts))
         self.load: torch.Tensor
-        """Share of the routed token slots each expert got in the last forward (sums to 1)."""
+        """Share of the routed token slots each expert got in the last forward (sums to 1);
+        in a training forward with a ``preference``, the share it would have got without."""
         self.register_buffer("load", torch.full((num_experts,), 1.0 / num_experts), persistent=False)
         self.aux_loss = torch.zeros(())
+        self.preference: torch.Tensor | None = None
+        """Added to the experts' scores when a training forward picks them (SPES: a node's
+        own experts get ``spes.prefer_owned``, training/spes.py); None: no preference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(tokens).float(), dim=-1)
-        _, chosen = torch.topk(probs + self.route_bias, self.top_k, dim=-1)
+        scores = probs + self.route_bias
+        _, chosen = torch.topk(scores, self.top_k, dim=-1)
+        stepping = self.training and torch.is_grad_enabled()  # not in ZO's or eval's forwards
+        balanced: torch.Tensor | None = None
+        if stepping and self.preference is not None:
+            # Balance is kept on the choice without the preference: the bias and the
+            # auxiliary loss do not fight it, and the bias stays what balanced routing
+            # needs at evaluation (where there is no preference).
+            balanced = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+            _, chosen = torch.topk(scores + self.preference, self.top_k, dim=-1)
         weights = probs.gather(1, chosen)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # Never 0/0: a bias or a preference may pick experts whose probabilities underflowed
+        # to 0 (the token's output is then 0); any other sum is at least this, the same bits.
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
         flat = chosen.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        balanced = counts if balanced is None else balanced
         owned = self._owned_first(tokens)
         if owned is None:
             order = torch.argsort(flat, stable=True)
@@ -110,9 +131,8 @@ class MoE(nn.Module):
             routed = self._owned_experts(tokens[token_of], counts[permuted], experts, num_trained)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
-        share = counts.to(probs.dtype) / flat.numel()
+        share = balanced.to(probs.dtype) / flat.numel()
         self.aux_loss = self.num_experts * (share * probs.mean(dim=0)).sum()
-        stepping = self.training and torch.is_grad_enabled()  # not in ZO's or eval's forwards
         with torch.no_grad():
             self.load.copy_(share)
             if stepping:

@@ -23,6 +23,10 @@ import msgpack
 from training import algorithms, encodings
 from training.tokenizer import TokenizerError, bpe_vocab
 
+ABSENT = "absent"
+"""Field metadata: the value a run manifest that lacks the setting means (a setting added
+after a release: that release behaved as this value; see ``from_dict``)."""
+
 # "none": the run trains nothing (its nodes form the network only); the others are the
 # registry's (training/algorithms/).
 ALGORITHMS = ("none", *algorithms.NAMES)
@@ -145,8 +149,15 @@ class SpesConfig:
     lapse_rounds: int = 2
     """An owner that published none of its experts for this many of our rounds loses its
     leases (as does one whose liveness expired)."""
+    prefer_owned: float = field(default=0.1, metadata={ABSENT: 0.0})
+    """Added to an owned expert's routing score (a softmax probability, 1/8 on average
+    with 8 experts) when a node picks experts for its training steps, so its own experts
+    get more of its tokens; evaluation routes without it (training/moe.py). 0: off, what
+    a run whose manifest lacks it (made before 2026-11-27) does. docs/training.md has
+    what it measured."""
 
     def __post_init__(self) -> None:
+        _in_range("spes.prefer_owned", self.prefer_owned, 0.0, 1.0)
         _in_range("spes.merge_alpha", self.merge_alpha, 0.0, 1.0)
         _in_range("spes.merge_fraction", self.merge_fraction, 0.0, 1.0)
         _in_range("spes.merge_k", self.merge_k, 1, 1024)
@@ -271,27 +282,35 @@ def names() -> list[str]:
     return list(_flatten(RunSettings().to_dict()))
 
 
-def from_dict(data: Any) -> RunSettings:
+def from_dict(data: Any, *, manifest: bool = False) -> RunSettings:
     """The settings ``data`` names (missing ones keep their defaults), each checked: unknown
-    names, wrong types and out-of-range values are a `SettingsError` naming the setting."""
-    settings: RunSettings = _from_dict(data, RunSettings, prefix="")
+    names, wrong types and out-of-range values are a `SettingsError` naming the setting.
+    ``manifest``: ``data`` is a run's manifest, perhaps written by an earlier release, so a
+    setting added since (its field's ``ABSENT`` metadata) takes the value that release
+    behaved as, not the new default: every trainer of that run then does alike."""
+    settings: RunSettings = _from_dict(data, RunSettings, prefix="", manifest=manifest)
     return settings
 
 
-def _from_dict(data: Any, cls: type, *, prefix: str) -> Any:
+def _from_dict(data: Any, cls: type, *, prefix: str, manifest: bool = False) -> Any:
     _check(isinstance(data, dict), f"{prefix.rstrip('.') or 'settings'}: expected a table, got {type(data).__name__}")
     assert is_dataclass(cls)
     hints = typing.get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
+    known = {f.name: f for f in fields(cls)}
     unknown = [str(k)[:40] for k in data if k not in known]
     _check(not unknown, f"{prefix}{unknown[0] if unknown else ''}: unknown setting (known: {', '.join(known)})")
     values: dict[str, Any] = {}
-    for name in known:
+    for name, spec in known.items():
+        hint, dotted = hints[name], f"{prefix}{name}"
         if name not in data:
+            if manifest and ABSENT in spec.metadata:
+                values[name] = spec.metadata[ABSENT]
+            elif manifest and is_dataclass(hint):
+                values[name] = _from_dict({}, typing.cast(type, hint), prefix=f"{dotted}.", manifest=True)
             continue
-        hint, value, dotted = hints[name], data[name], f"{prefix}{name}"
+        value = data[name]
         if is_dataclass(hint):
-            values[name] = _from_dict(value, typing.cast(type, hint), prefix=f"{dotted}.")
+            values[name] = _from_dict(value, typing.cast(type, hint), prefix=f"{dotted}.", manifest=manifest)
         else:
             values[name] = _scalar(dotted, hint, value)
     return cls(**values)
@@ -322,7 +341,7 @@ def decode(raw: bytes) -> RunSettings:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise SettingsError(f"settings: undecodable: {exc}") from exc
-    return from_dict(data)
+    return from_dict(data, manifest=True)
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

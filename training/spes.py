@@ -20,6 +20,12 @@ A version from a peer is checked before it replaces our copy: finite, and within
 between the two versions (an owner moves its expert by about what any node moves its
 shared weights: AdamW's steps are of one size per element). See ``check_version``.
 
+Routing prefers the owned experts in training forwards (``spes.prefer_owned`` added to
+their scores when experts are picked: training/moe.py ``preference``): an expert learns
+only from its owner's steps, and only from the tokens routed to it there, a quarter of
+them with top-2 of 8 experts and even balance; the preference sends it more of them.
+Evaluation routes without it. See docs/training.md for what it measured.
+
 Expert merging (early training, owners only): each owned expert moves toward the mean of
 its ``merge_k`` most similar experts of the same layer (cosine of w_in),
 e ← e + α_t·mean_k(e_k − e), α_t falling linearly from ``merge_alpha`` to 0 over the first
@@ -260,6 +266,14 @@ class SpesTrainer(Trainer):
             for param in self.table.params[e]:
                 param.requires_grad_(True)
         self.owned = owned
+        num_experts = self.table.num_experts
+        prefer = self.spes.prefer_owned if 0 < len(owned) < num_experts else 0.0
+        for moe in self.model.moes():
+            moe.preference = (
+                torch.tensor([prefer if e in owned else 0.0 for e in range(num_experts)], device=self.device)
+                if prefer
+                else None
+            )
         self._trainable = [*self._params, *(p for e in sorted(owned) for p in self.table.params[e])]
         self.optimizer = self._new_optimizer()
         for param in self._trainable:
