@@ -111,7 +111,8 @@ class MoE(nn.Module):
             _, chosen = torch.topk(scores + self.preference, self.top_k, dim=-1)
         weights = probs.gather(1, chosen)
         # Never 0/0: a bias or a preference may pick experts whose probabilities underflowed
-        # to 0 (the token's output is then 0); any other sum is at least this, the same bits.
+        # to 0. A sum below float32's smallest normal counts as that (the token's output is
+        # then about 0); any larger sum divides as before, the same bits.
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
         flat = chosen.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
