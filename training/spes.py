@@ -268,12 +268,13 @@ class SpesTrainer(Trainer):
         self.owned = owned
         num_experts = self.table.num_experts
         prefer = self.spes.prefer_owned if 0 < len(owned) < num_experts else 0.0
-        for moe in self.model.moes():
-            moe.preference = (
-                torch.tensor([prefer if e in owned else 0.0 for e in range(num_experts)], device=self.device)
-                if prefer
-                else None
-            )
+        preference = (
+            torch.tensor([prefer if e in owned else 0.0 for e in range(num_experts)], device=self.device)
+            if prefer
+            else None
+        )
+        for moe in self.model.moes():  # one tensor for every layer: read only
+            moe.preference = preference
         self._trainable = [*self._params, *(p for e in sorted(owned) for p in self.table.params[e])]
         self.optimizer = self._new_optimizer()
         for param in self._trainable:
