@@ -43,8 +43,8 @@ live partners and us) sorted by a hash of (the run, the round, the peer id) and 
 in that order (``scheduled_partner``; an odd one out has none). For a share of our round
 time (``PREFER_SHARE``, half; at most a quarter of the bound) from our boundary we pair only
 with it: the one of the two with the smaller id asks it every sweep, the other mostly
-waits to be asked (it asks once a second, to hear a "never"), and anyone else asking
-hears "later" (waiting for this round's partner). The scheduled
+waits to be asked (it asks at its boundary, then once a second, to hear a "never"), and
+anyone else asking hears "later" (waiting for this round's partner). The scheduled
 partner saying "never" (past the round, far behind, gone), or the window ending, sends
 us back to asking everyone as before. The worker trains on meanwhile (``outer.overlap``:
 half a round by default), so the wait costs the overlapped steps' staleness, not compute.
@@ -134,6 +134,10 @@ ROUND_TIME_WEIGHT = 0.3
 PREFER_SHARE = 0.5
 FIRST_PREFER_S = 2.0
 WAITING_FOR_PARTNER = "waiting for this round's partner"
+# The larger id's pause between its asks of its scheduled partner. Its first ask is at its
+# boundary: when it waited this long first, a node a round behind its peers (windows are
+# half a round: under this on a fast model or a loaded machine) waited out its window at
+# every boundary for a partner already past it, and stayed behind.
 SCHEDULED_SLOW_ASK_S = 1.0
 # A peer saying it is at a round past the run's last lies (an honest one stops there):
 # its word is dropped, and costs it this (it would make us skip rounds: ``rounds_to_skip``).
@@ -330,7 +334,7 @@ class Pairing:
         current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
         prefer_s = FIRST_PREFER_S if self._round_s is None else self._prefer_share * self._round_s
         current.scheduled_until = now + (min(prefer_s, timeout_s / 4) if self._prefer_share > 0 else 0.0)
-        current.scheduled_ask_at = now + SCHEDULED_SLOW_ASK_S
+        current.scheduled_ask_at = now  # the larger id asks at once too (SCHEDULED_SLOW_ASK_S)
         self._round = current
         self._pulls = _Pulls(round_index, outbox)
         # The end of the bound is kept for a pull: peers behind us keep us asking ("later")
@@ -444,9 +448,10 @@ class Pairing:
 
     async def _pair_scheduled(self, current: _Round, order: list[str], *, sweep_until: float) -> None:
         """One sweep of the window for this round's scheduled partner: the smaller id asks it
-        every sweep, the other every ``SCHEDULED_SLOW_ASK_S`` (mostly it is asked: two
-        asking each other at once both hear "asking"), so a partner that cannot come (past
-        the round, far behind, gone) says so to either; its "never" ends the window."""
+        every sweep, the other at its boundary and then every ``SCHEDULED_SLOW_ASK_S``
+        (mostly it is asked; asked while asking, it takes the smaller id's question), so a
+        partner that cannot come (past the round, far behind, gone) says so to either; its
+        "never" ends the window."""
         scheduled = current.scheduled
         assert scheduled is not None
         lower = self._host.peer_id < scheduled
