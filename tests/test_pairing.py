@@ -330,11 +330,11 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
     async with nodes(2) as group:
         (_, pa), (b, pb) = group
         box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
-        pb._last_round, pb._boundary_at, pb._round_s = 0, trio.current_time(), 3600.0  # an hour from round 1
+        pb._last_round, pb._paired_at, pb._compute_s = 0, trio.current_time(), 3600.0  # an hour from round 1
         with trio.fail_after(60):  # without the answer, it asks until its bound: 600 s
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
         assert pa.lag == 0  # b is behind us, not ahead
-        pb._last_round, pb._boundary_at = 3, None  # b is at round 3 now: we are 2 behind
+        pb._last_round, pb._paired_at = 3, None  # b is at round 3 now: we are 2 behind
         with trio.fail_after(60):
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
         assert pa.lag == 2 and catch_up_steps(10, pa.lag) == 4
@@ -342,6 +342,24 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
         with trio.fail_after(60):
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
         assert pa.lag == MAX_LAG and pa.vouched_lag == 0
+
+
+async def test_a_peer_whose_last_pairing_waited_long_is_near_by_its_computing_time() -> None:
+    """How near a node is to its next boundary is judged by its computing time (its last
+    pairing's end to its boundary), not by boundary to boundary: a wait to pair made its
+    round look long, and a node 3 s from its boundary (of 13 s computing) said "never" to
+    an asker that would have waited that long: in a run of two the asker went alone."""
+    async with nodes(2) as group:
+        (_, pa), (b, pb) = group
+        now = trio.current_time()
+        # Round 0's boundary 16 s ago; its pairing waited 6 s of that, then 10 s of computing.
+        pb._last_round, pb._boundary_at, pb._round_s = 0, now - 16.0, 42.0  # rounds counted with their waits
+        pb._paired_at, pb._compute_s = now - 10.0, 13.0
+        current = _Round(1, memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        with trio.fail_after(30):
+            assert await pa._ask(b.peer_id, current) == "busy"  # later: 3 s to go, within 6.5
+            pb._paired_at = trio.current_time()  # 13 s to go: past half its computing time
+            assert await pa._ask(b.peer_id, current) == "never"
 
 
 async def test_a_peer_saying_it_is_past_the_runs_last_round_is_not_believed_and_penalized() -> None:

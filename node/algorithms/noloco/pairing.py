@@ -118,12 +118,17 @@ ASK_TIME_WEIGHT = 0.2
 # The end of the pairing bound kept for a pull (at most a quarter of the bound).
 PULL_RESERVE_S = 5.0
 # A node asked to pair for the round after its last boundary answers "later" only when it
-# expects that boundary within this share of its own round time (by its recent rounds);
-# else "never": an asker that kept asking a slow node waited out most of its bound each
-# round (a node at half speed among 4: the odd one of the others waited ~25 s a round).
+# expects that boundary within this share of its own round's computing time (by its recent
+# rounds); else "never": an asker that kept asking a slow node waited out most of its bound
+# each round (a node at half speed among 4: the odd one of the others waited ~25 s a round).
 # Half a round: what an asker's worker trains on meanwhile by default (``outer.overlap``);
 # with a quarter (and pulls one round ahead), in one run on a loaded machine, one of the
-# three full-speed nodes beside a slow one went alone in 12 of 30 rounds.
+# three full-speed nodes beside a slow one went alone in 12 of 30 rounds. Computing time
+# is from the end of our last pairing to our next boundary, not boundary to boundary: a
+# wait to pair is no part of the way to the next boundary. Counted in, a node whose first
+# pairing waited for its peer's worker to start (0.28 s of a 0.42 s round, micro) said
+# "not near" 0.16 s after its boundary and came ms later: its peer, in a run of two, went
+# alone (tests/test_cli_e2e.py's int8 pair, in 7 of 48 runs).
 NEAR_BOUNDARY = 0.5
 ROUND_TIME_WEIGHT = 0.3
 # How long from our boundary we pair only with the round's scheduled partner: this share of
@@ -264,6 +269,10 @@ class Pairing:
         self._boundary_at: float | None = None
         self._round_s: float | None = None
         """Our rounds' time, boundary to boundary (a moving average)."""
+        self._paired_at: float | None = None
+        """When our last pairing ended (the worker's steps to our next boundary went on)."""
+        self._compute_s: float | None = None
+        """From a pairing's end to our next boundary (a moving average): ``_near``'s scale."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
@@ -329,6 +338,11 @@ class Pairing:
             self._round_s = (
                 took if self._round_s is None else self._round_s + ROUND_TIME_WEIGHT * (took - self._round_s)
             )
+        if self._paired_at is not None and round_index == self._last_round + 1:
+            took = now - self._paired_at
+            self._compute_s = (
+                took if self._compute_s is None else self._compute_s + ROUND_TIME_WEIGHT * (took - self._compute_s)
+            )
         self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
         current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
@@ -361,6 +375,7 @@ class Pairing:
             self.vouched_lag = lag_of(round_index, current.told, peers=max(2, len(candidates)))
             self._round = None
             self._last_round = max(self._last_round, round_index)
+            self._paired_at = trio.current_time()
 
     async def _await_payload(self, current: _Round) -> bool:
         """Until the partner's payload is in; False (and the partner penalized and dropped)
@@ -634,12 +649,12 @@ class Pairing:
 
     def _near(self, round_index: int) -> bool:
         """Whether we expect to reach ``round_index``'s boundary soon (computing towards it)."""
-        if self._boundary_at is None or self._round_s is None:
+        if self._paired_at is None or self._compute_s is None:
             return True  # no rounds to judge by yet (a node just started or restarted): ask again
         if round_index != self._last_round + 1:
             return False
-        left = self._boundary_at + self._round_s - trio.current_time()
-        return left <= NEAR_BOUNDARY * self._round_s
+        left = self._paired_at + self._compute_s - trio.current_time()
+        return left <= NEAR_BOUNDARY * self._compute_s
 
     async def _send_pull(self, peer_id: str, pulls: _Pulls, scope: trio.CancelScope, sent: trio.Event) -> None:
         payload = Payload(pulls.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(pulls.outbox),)),), pulls.outbox)
