@@ -8,7 +8,14 @@ import trio
 import trio.testing
 
 from node.algorithms.noloco.lag import MAX_LAG, PULL_AHEAD_ROUNDS, catch_up_steps, lag_of, rounds_to_skip
-from node.algorithms.noloco.pairing import PAST_THE_RUN_POINTS, Pairing, _Round, scheduled_partner
+from node.algorithms.noloco.pairing import (
+    PAST_THE_RUN_POINTS,
+    Pairing,
+    _Round,
+    compute_sample,
+    next_boundary,
+    scheduled_partner,
+)
 from protocol.net.exchange import TensorReceiver
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -330,7 +337,8 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
     async with nodes(2) as group:
         (_, pa), (b, pb) = group
         box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
-        pb._last_round, pb._paired_at, pb._compute_s = 0, trio.current_time(), 3600.0  # an hour from round 1
+        now = trio.current_time()
+        pb._last_round, pb._boundary_at, pb._paired_at, pb._compute_s = 0, now, now, 3600.0  # an hour from round 1
         with trio.fail_after(60):  # without the answer, it asks until its bound: 600 s
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
         assert pa.lag == 0  # b is behind us, not ahead
@@ -344,22 +352,42 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
         assert pa.lag == MAX_LAG and pa.vouched_lag == 0
 
 
-async def test_a_peer_whose_last_pairing_waited_long_is_near_by_its_computing_time() -> None:
-    """How near a node is to its next boundary is judged by its computing time (its last
-    pairing's end to its boundary), not by boundary to boundary: a wait to pair made its
-    round look long, and a node 3 s from its boundary (of 13 s computing) said "never" to
-    an asker that would have waited that long: in a run of two the asker went alone."""
+def test_a_rounds_computing_time_and_next_boundary_leave_out_waits_to_pair() -> None:
+    """Rounds of 13 s of steps, half of them taken while pairing (overlap 0.5): a pairing
+    within those steps hides in the round, a longer one pushes the boundary by its excess."""
+    assert next_boundary(100.0, 100.1, 13.0, 0.5) == 113.0  # paired at once: a round on
+    assert next_boundary(100.0, 110.0, 13.0, 0.5) == 116.5  # waited 10 s: the 6.5 s left after it
+    assert next_boundary(100.0, 100.1, 13.0, 0.0) == pytest.approx(113.1)  # no overlap: all after it
+    assert compute_sample(13.0, 12.9, 0.5) == 13.0
+    assert compute_sample(16.5, 6.5, 0.5) == 13.0  # not 16.5: 3.5 s of it was a wait
+    assert compute_sample(13.1, 13.0, 0.0) == 13.0
+    assert compute_sample(13.0, 0.0, 1.0) == 13.0  # every step overlapped: boundary to boundary
+
+
+@pytest.mark.parametrize(
+    ("since_boundary", "since_paired", "near"),
+    [
+        (10.0, 9.9, True),  # paired at once, 3 s from the boundary of a 13 s round
+        (9.9, 3.4, True),  # waited 6.5 s (all the overlapped steps): 3.1 s to go
+        (0.5, 0.4, False),  # 12.5 s to go
+    ],
+)
+async def test_a_peer_near_its_boundary_by_its_computing_time_says_later_else_never(
+    since_boundary: float, since_paired: float, near: bool
+) -> None:
+    """A node computing towards its next boundary says "later" when it expects it within
+    half its computing time (``next_boundary``), else "never". The same node judged by its
+    boundary-to-boundary time (26.5 s after a round whose pairing waited 20 s) said "never"
+    in the first case; judged by the time since its pairing's end alone (6.9 s when its
+    pairings are quick), in the second."""
     async with nodes(2) as group:
         (_, pa), (b, pb) = group
         now = trio.current_time()
-        # Round 0's boundary 16 s ago; its pairing waited 6 s of that, then 10 s of computing.
-        pb._last_round, pb._boundary_at, pb._round_s = 0, now - 16.0, 42.0  # rounds counted with their waits
-        pb._paired_at, pb._compute_s = now - 10.0, 13.0
+        pb._last_round, pb._round_s, pb._overlap = 0, 26.5, 0.5
+        pb._boundary_at, pb._paired_at, pb._compute_s = now - since_boundary, now - since_paired, 13.0
         current = _Round(1, memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
         with trio.fail_after(30):
-            assert await pa._ask(b.peer_id, current) == "busy"  # later: 3 s to go, within 6.5
-            pb._paired_at = trio.current_time()  # 13 s to go: past half its computing time
-            assert await pa._ask(b.peer_id, current) == "never"
+            assert await pa._ask(b.peer_id, current) == ("busy" if near else "never")
 
 
 async def test_a_peer_saying_it_is_past_the_runs_last_round_is_not_believed_and_penalized() -> None:

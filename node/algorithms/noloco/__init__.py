@@ -51,6 +51,7 @@ class Noloco(PayloadRounds):
             rounds=ctx.run.rounds,
             schedule_seed=ctx.state.run_id,
             prefer_share=ctx.run.outer.overlap,
+            overlap=self.overlap_share(),
         )
         self._partner: str | None = None
         """This round's partner, until the worker's outer step says what it made of it."""
@@ -60,6 +61,12 @@ class Noloco(PayloadRounds):
         """Rounds we took fewer than H steps in, to keep up with peers ahead of us."""
         self._drifted_from: list[str] = []
         """Partners whose payloads our worker refused as drifted since it last used one."""
+
+    def overlap_share(self) -> float:
+        """The share of a round's steps our worker takes while we pair (training/algorithms/
+        noloco.py runs its rounds overlapped; SPES's worker waits at each boundary)."""
+        steps = self.ctx.run.inner.steps_per_round
+        return self.ctx.run.outer.overlap_steps(steps) / steps if steps > 0 else 0.0
 
     def inbox(self) -> Inbox:
         return self.pairing

@@ -123,12 +123,12 @@ PULL_RESERVE_S = 5.0
 # each round (a node at half speed among 4: the odd one of the others waited ~25 s a round).
 # Half a round: what an asker's worker trains on meanwhile by default (``outer.overlap``);
 # with a quarter (and pulls one round ahead), in one run on a loaded machine, one of the
-# three full-speed nodes beside a slow one went alone in 12 of 30 rounds. Computing time
-# is from the end of our last pairing to our next boundary, not boundary to boundary: a
-# wait to pair is no part of the way to the next boundary. Counted in, a node whose first
-# pairing waited for its peer's worker to start (0.28 s of a 0.42 s round, micro) said
-# "not near" 0.16 s after its boundary and came ms later: its peer, in a run of two, went
-# alone (tests/test_cli_e2e.py's int8 pair, in 7 of 48 runs).
+# three full-speed nodes beside a slow one went alone in 12 of 30 rounds. Where the next
+# boundary is expected, and the computing time, come from ``next_boundary`` and
+# ``compute_sample``, not from boundary-to-boundary times: those count waits to pair, and
+# a node whose first pairing waited for its peer's worker to start (0.28 s of a 0.42 s
+# round, micro) said "not near" 0.16 s after its boundary and came ms later: its peer, in
+# a run of two, went alone (tests/test_cli_e2e.py's int8 pair, in 7 of 48 runs).
 NEAR_BOUNDARY = 0.5
 ROUND_TIME_WEIGHT = 0.3
 # How long from our boundary we pair only with the round's scheduled partner: this share of
@@ -162,6 +162,25 @@ def scheduled_partner(seed: str, round_index: int, me: str, peers: Iterable[str]
     if i % 2:
         return members[i - 1]
     return members[i + 1] if i + 1 < len(members) else None
+
+
+def next_boundary(boundary_at: float, paired_at: float, compute_s: float, overlap: float) -> float:
+    """When a node expects its next boundary: its worker takes a round's steps in
+    ``compute_s``, up to the ``overlap`` share of them while the node pairs (from
+    ``boundary_at`` to ``paired_at``; training/algorithms/rounds.py stops those at the
+    pairing's end), and the rest after it. A short pairing: a round after the last
+    boundary; a long one (past the overlapped steps): the rest after the pairing's end."""
+    return max(boundary_at + compute_s, paired_at + (1.0 - overlap) * compute_s)
+
+
+def compute_sample(boundary_s: float, after_pairing_s: float, overlap: float) -> float:
+    """A round's computing time from what was seen of it (``next_boundary`` turned round):
+    ``boundary_s`` from boundary to boundary, ``after_pairing_s`` from the pairing's end to
+    the next boundary. A pairing shorter than the overlapped steps hid in the round; a
+    longer one added its excess, and only the steps after it count."""
+    if overlap >= 1.0:
+        return boundary_s
+    return min(boundary_s, after_pairing_s / (1.0 - overlap))
 
 
 def backoff_s(ask_s: float, draw: float) -> float:
@@ -235,8 +254,11 @@ class Pairing:
         rounds: int = 1 << 62,
         schedule_seed: str = "",
         prefer_share: float = PREFER_SHARE,
+        overlap: float = 0.0,
     ) -> None:
         self._host = host
+        self._overlap = min(1.0, max(0.0, overlap))
+        """The share of a round's steps the worker takes while we pair (0: it waits)."""
         self._schedule_seed = schedule_seed
         """What the partner schedule hashes besides the round (the run's id)."""
         self._prefer_share = min(PREFER_SHARE, prefer_share)
@@ -272,7 +294,7 @@ class Pairing:
         self._paired_at: float | None = None
         """When our last pairing ended (the worker's steps to our next boundary went on)."""
         self._compute_s: float | None = None
-        """From a pairing's end to our next boundary (a moving average): ``_near``'s scale."""
+        """A round's computing time (``compute_sample``, a moving average): ``_near``'s scale."""
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
@@ -338,8 +360,8 @@ class Pairing:
             self._round_s = (
                 took if self._round_s is None else self._round_s + ROUND_TIME_WEIGHT * (took - self._round_s)
             )
-        if self._paired_at is not None and round_index == self._last_round + 1:
-            took = now - self._paired_at
+        if self._paired_at is not None and self._boundary_at is not None and round_index == self._last_round + 1:
+            took = compute_sample(now - self._boundary_at, now - self._paired_at, self._overlap)
             self._compute_s = (
                 took if self._compute_s is None else self._compute_s + ROUND_TIME_WEIGHT * (took - self._compute_s)
             )
@@ -649,12 +671,12 @@ class Pairing:
 
     def _near(self, round_index: int) -> bool:
         """Whether we expect to reach ``round_index``'s boundary soon (computing towards it)."""
-        if self._paired_at is None or self._compute_s is None:
+        if self._boundary_at is None or self._paired_at is None or self._compute_s is None:
             return True  # no rounds to judge by yet (a node just started or restarted): ask again
         if round_index != self._last_round + 1:
             return False
-        left = self._paired_at + self._compute_s - trio.current_time()
-        return left <= NEAR_BOUNDARY * self._compute_s
+        expected = next_boundary(self._boundary_at, self._paired_at, self._compute_s, self._overlap)
+        return expected - trio.current_time() <= NEAR_BOUNDARY * self._compute_s
 
     async def _send_pull(self, peer_id: str, pulls: _Pulls, scope: trio.CancelScope, sent: trio.Event) -> None:
         payload = Payload(pulls.index, (TensorSpec(PAYLOAD_NAME, "uint8", (len(pulls.outbox),)),), pulls.outbox)

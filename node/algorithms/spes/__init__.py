@@ -51,6 +51,9 @@ class Spes(Noloco):
         *("memory_curve", "leases", "releases"),
     )
 
+    def overlap_share(self) -> float:
+        return 0.0  # its worker waits at each boundary (experts change owner there)
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
