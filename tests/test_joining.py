@@ -105,6 +105,33 @@ async def test_a_state_is_hashed_when_a_joiner_first_asks_not_every_round(tmp_pa
 
 
 @pytest.mark.integration
+async def test_a_join_waits_for_the_peers_next_boundary_only_as_long_as_it_is_told(tmp_path: Path) -> None:
+    """Two peers offer round 4 of 10 and do not move (both resyncing, as the joiner is):
+    the join takes their state once ``boundary_wait_s`` is over, not after BOUNDARY_WAIT_S."""
+    from node.algorithms import joining
+    from protocol.net.host import open_host, parse_dial_addr
+
+    saved = tmp_path / "worker.ckpt"
+    saved.write_bytes(b"state of round 4 " * 100)
+
+    def host(seed: int) -> Any:
+        return open_host(identity_seed=bytes([seed]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+
+    async with host(1) as a, host(2) as b, host(3) as joiner_host:
+        for i, peer in enumerate((a, b)):
+            (tmp_path / str(i)).mkdir()
+            offers = StateOffers(peer, "run", tmp_path / str(i))
+            offers.register()
+            await offers.offer(saved, 4)
+            await joiner_host.connect(parse_dial_addr(peer.addrs()[0]), timeout_s=5)
+        joiner = StateOffers(joiner_host, "run", None)
+        dest = tmp_path / "joined.ckpt"
+        with trio.fail_after(joining.BOUNDARY_WAIT_S / 10):
+            assert await joiner.join([a.peer_id, b.peer_id], dest, last_round=10, boundary_wait_s=2.0) == dest
+        assert dest.read_bytes() == saved.read_bytes()
+
+
+@pytest.mark.integration
 async def test_a_starting_node_asks_whether_anyone_is_ahead_without_waiting_on_a_silent_peer(tmp_path: Path) -> None:
     """One peer that never answers (behind a NAT, not yet directly connected: it kept three
     of four nodes 10 s, the header's timeout, while the fourth started 14 s ahead of
@@ -272,3 +299,29 @@ def test_a_resync_takes_a_state_from_peers_it_refused_only_where_they_are_all_it
     assert sources(["a"], {"a"}) == []  # a run of two: nobody to tell which of us drifted
     assert sources(["a"], {"a", "b"}) == []  # the same once the other refused one is banned or gone
     assert sources(["a", "b"], set()) == ["a", "b"]  # a joiner
+
+
+@pytest.mark.integration
+async def test_nodes_that_all_resync_at_once_take_each_others_state_without_waiting_out_the_bound(
+    short_tmp: Path,
+) -> None:
+    """Halves of a run that trained apart refuse each other's payloads, and every node
+    resyncs at once (seen with SPES beside a CPU hog: four nodes, 14 rounds in two pairs).
+    A joiner waits for its peers' next boundary, for BOUNDARY_WAIT_S (300 s) at most; here
+    nobody moves (all are resyncing), and each waited all of it. A resync waits for
+    RESYNC_WAIT_ROUNDS of its own rounds at most, then takes the state offered now."""
+    from node.algorithms import joining
+
+    async with open_swarm(short_tmp) as swarm:
+        nodes = await start_trainers(swarm, 3, DRIFT_TRAINING, run_name="drift-all")
+        await until(nodes, lambda: all(rounds_done(n) >= 2 for n in nodes), timeout_s=TIMEOUT_S)
+        for node in nodes:
+            drift_what_it_receives(node)  # each undone by its own resync
+        algorithms = [n.training.algorithm for n in nodes if n.training is not None]
+        assert all(isinstance(a, Noloco) for a in algorithms) and len(algorithms) == len(nodes)
+        with trio.fail_after(joining.BOUNDARY_WAIT_S * 0.8):  # a bound the old wait did not meet
+            await until(nodes, lambda: all(finished(n) for n in nodes), timeout_s=joining.BOUNDARY_WAIT_S)
+        assert sum(a.resyncs for a in algorithms if isinstance(a, Noloco)) >= 2, described(nodes)
+        for node in nodes:
+            status = node.training.status() if node.training else None
+            assert status is not None and status["rounds"] == ROUNDS, described(nodes)

@@ -49,6 +49,12 @@ KEEP_OFFERED = 2
 # BOUNDARY_WAIT_S (a run whose rounds take longer is joined mid-round).
 BOUNDARY_POLL_S = 0.25
 BOUNDARY_WAIT_S = 300.0
+# A node taking a peer's state because its replica drifted (a resync) was training with
+# them a moment ago: it waits for their next boundary at most this many of its own rounds.
+# Where all of them resync at once (halves of a run that trained apart refuse each other),
+# none of them moves: with BOUNDARY_WAIT_S, four SPES nodes (micro-moe, rounds of ~1.5 s)
+# each waited 300 s for the others.
+RESYNC_WAIT_ROUNDS = 3.0
 WATCHED = 3
 # How long a starting node asks its peers whether one is past round 0 (the first to offer
 # a state answers it at once). Not the header's 10 s: in `simulate --topology nat` three of
@@ -148,16 +154,19 @@ class StateOffers:
             logger.info("asked whether anyone is past round 0: not all answered in %.0f s; starting", AHEAD_ASK_S)
         return bool(heads)
 
-    async def join(self, partners: list[str], dest: Path, *, last_round: int) -> Path | None:
+    async def join(
+        self, partners: list[str], dest: Path, *, last_round: int, boundary_wait_s: float = BOUNDARY_WAIT_S
+    ) -> Path | None:
         """Fetch the state of the run's current round into ``dest``, right after its peers'
-        next boundary (the run's ``last_round`` has none); None if nobody is ahead."""
+        next boundary (the run's ``last_round`` has none; waited for ``boundary_wait_s`` at
+        most, then the state they offer now); None if nobody is ahead."""
         heads = await self._heads(partners)
         target = vouched_round(list(heads.values()))
         if target is None:
             return None
         if target < last_round:
             watched = sorted(heads, key=lambda p: -heads[p])[:WATCHED]  # the two ahead and one more
-            with trio.move_on_after(BOUNDARY_WAIT_S):
+            with trio.move_on_after(boundary_wait_s):
                 while True:
                     await trio.sleep(BOUNDARY_POLL_S)
                     newer = await self._heads(watched)

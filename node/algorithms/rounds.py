@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.joining import MEET_WAIT_S, StateOffers
+from node.algorithms.joining import BOUNDARY_WAIT_S, MEET_WAIT_S, RESYNC_WAIT_ROUNDS, StateOffers
 from node.supervisor import RestartWorker, Supervisor, WorkerConnection, WorkerGone
 from node.waiting import until
 from protocol.net.data_channel import DataChannel
@@ -185,6 +185,10 @@ class PayloadRounds:
             await until(lambda: bool(self.ctx.partners()), lambda: [self.ctx.peers_changed(), self.ctx.state.changed])
         return await self.states.anyone_ahead(self.ctx.partners())
 
+    def round_time_s(self) -> float | None:
+        """Our rounds' time, boundary to boundary (None: not known; NoLoCo's pairing measures it)."""
+        return None
+
     async def _join(self) -> str | None:
         """The worker built its model and has no checkpoint of its own: if we start late, a
         peer's state at the run's round to start from (node/algorithms/joining.py), fetched
@@ -193,7 +197,12 @@ class PayloadRounds:
         if not self._late or self.ctx.checkpoint_dir is None:
             return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        fetched = await self.states.join(self._state_sources(), dest, last_round=self.ctx.run.rounds)
+        wait_s, round_s = BOUNDARY_WAIT_S, self.round_time_s()
+        if self._own_aside is not None and round_s is not None:  # a resync: we know our rounds
+            wait_s = min(wait_s, RESYNC_WAIT_ROUNDS * round_s)
+        fetched = await self.states.join(
+            self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
+        )
         if fetched is None and self._own_aside is not None:
             logger.warning("no peer offers its state: going on from our own (%s)", self._own_aside)
             fetched = self._own_aside

@@ -68,6 +68,9 @@ class Noloco(PayloadRounds):
         steps = self.ctx.run.inner.steps_per_round
         return self.ctx.run.outer.overlap_steps(steps) / steps if steps > 0 else 0.0
 
+    def round_time_s(self) -> float | None:
+        return self.pairing.round_s
+
     def inbox(self) -> Inbox:
         return self.pairing
 

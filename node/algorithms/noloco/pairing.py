@@ -296,6 +296,11 @@ class Pairing:
         self._compute_s: float | None = None
         """A round's computing time (``compute_sample``, a moving average): ``_near``'s scale."""
 
+    @property
+    def round_s(self) -> float | None:
+        """Our rounds' time, boundary to boundary (a moving average; None before two boundaries)."""
+        return self._round_s
+
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=ASK_TIMEOUT_S)
         async with trio.open_nursery() as nursery:
