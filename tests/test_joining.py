@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import trio
 
-from node.algorithms.joining import StateOffers, vouched_round
+from node.algorithms.joining import BOUNDARY_WAIT_S, StateOffers, resync_wait_s, vouched_round
 from node.algorithms.noloco import Noloco
 from node.daemon import Daemon
 from tests.adversarial.harness import (
@@ -31,6 +31,13 @@ def test_the_round_to_join_at_needs_a_second_peer() -> None:
     assert vouched_round([7]) == 7  # a run of two has no second opinion
     assert vouched_round([3, 1000, 4]) == 4  # one peer claiming a far round moves nothing
     assert vouched_round([5, 5]) == 5
+
+
+def test_a_resync_waits_a_few_of_its_rounds_or_of_its_offers_whichever_is_longer() -> None:
+    assert resync_wait_s(1.5, 1.5) == pytest.approx(4.5)  # micro: a save every round
+    assert resync_wait_s(1.7, 8.5) == pytest.approx(17.0)  # gpt-125m on an H200: an offer every 5 rounds
+    assert resync_wait_s(None, None) == BOUNDARY_WAIT_S  # nothing known: as a joiner
+    assert resync_wait_s(600.0, None) == BOUNDARY_WAIT_S  # never longer than a joiner's wait
 
 
 def rounds_done(daemon: Daemon) -> int:

@@ -55,6 +55,22 @@ BOUNDARY_WAIT_S = 300.0
 # none of them moves: with BOUNDARY_WAIT_S, four SPES nodes (micro-moe, rounds of ~1.5 s)
 # each waited 300 s for the others.
 RESYNC_WAIT_ROUNDS = 3.0
+# ... and at least this many of the gaps between its own last two offers: peers offer a
+# state when its checkpoint write lands, and a round whose save finds the last write still
+# going skips it (training/saver.py: a 7.6 s write of gpt-125m's state against 1.7 s rounds
+# on the H200), so they offer every few rounds; the join waits for two of them.
+RESYNC_WAIT_OFFER_GAPS = 2.0
+
+
+def resync_wait_s(round_s: float | None, offer_gap_s: float | None) -> float:
+    """How long a resync waits for its peers' next offer (``BOUNDARY_WAIT_S`` where it
+    knows neither its round time nor how often it offers)."""
+    if round_s is None and offer_gap_s is None:
+        return BOUNDARY_WAIT_S
+    wait = max(RESYNC_WAIT_ROUNDS * (round_s or 0.0), RESYNC_WAIT_OFFER_GAPS * (offer_gap_s or 0.0))
+    return min(BOUNDARY_WAIT_S, wait)
+
+
 WATCHED = 3
 # How long a starting node asks its peers whether one is past round 0 (the first to offer
 # a state answers it at once). Not the header's 10 s: in `simulate --topology nat` three of

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.joining import BOUNDARY_WAIT_S, MEET_WAIT_S, RESYNC_WAIT_ROUNDS, StateOffers
+from node.algorithms.joining import BOUNDARY_WAIT_S, MEET_WAIT_S, StateOffers, resync_wait_s
 from node.supervisor import RestartWorker, Supervisor, WorkerConnection, WorkerGone
 from node.waiting import until
 from protocol.net.data_channel import DataChannel
@@ -77,6 +77,9 @@ class PayloadRounds:
         """(round, rounds skipped after it) per skip our worker made (NoLoCo: ``rounds_skipped``)."""
         self._own_aside: Path | None = None
         """Our own state, moved aside by a resync: where we start if no peer offers one."""
+        self._offered_at: float | None = None
+        self._offer_gap_s: float | None = None
+        """The time between our last two offers of a state (``resync_wait_s``)."""
         self._aside_reason: str | None = None
         """Why our state goes aside before the next worker starts (a resync), if it does."""
 
@@ -197,9 +200,8 @@ class PayloadRounds:
         if not self._late or self.ctx.checkpoint_dir is None:
             return None
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        wait_s, round_s = BOUNDARY_WAIT_S, self.round_time_s()
-        if self._own_aside is not None and round_s is not None:  # a resync: we know our rounds
-            wait_s = min(wait_s, RESYNC_WAIT_ROUNDS * round_s)
+        # A resync: we trained with them a moment ago, and know how long our rounds take.
+        wait_s = BOUNDARY_WAIT_S if self._own_aside is None else resync_wait_s(self.round_time_s(), self._offer_gap_s)
         fetched = await self.states.join(
             self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
         )
@@ -341,6 +343,10 @@ class PayloadRounds:
         round_index = saved.get("round")
         if own is not None and not saved.get("save_error") and type(round_index) is int and round_index >= 0:
             await self.states.offer(Path(own), round_index + 1)
+            now = trio.current_time()
+            if self._offered_at is not None:
+                self._offer_gap_s = now - self._offered_at
+            self._offered_at = now
         metrics = self.ctx.metrics
         error = saved.get("save_error")
         error = str(error)[:300] if error else None
