@@ -183,6 +183,11 @@ def compute_sample(boundary_s: float, after_pairing_s: float, overlap: float) ->
     return min(boundary_s, after_pairing_s / (1.0 - overlap))
 
 
+def _averaged(average: float | None, sample: float) -> float:
+    """A moving average of round times (``ROUND_TIME_WEIGHT``): the first sample as it is."""
+    return sample if average is None else average + ROUND_TIME_WEIGHT * (sample - average)
+
+
 def backoff_s(ask_s: float, draw: float) -> float:
     """The pause after a "busy, asking someone" (``draw`` uniform in [0, 1)): as short as a
     sweep's pause on an idle machine, growing with ``ask_s``, how long a question takes."""
@@ -361,15 +366,10 @@ class Pairing:
         await self.close_pulls(grace=False)  # the outbox holds this round's payload now
         now = trio.current_time()
         if self._boundary_at is not None and round_index == self._last_round + 1:
-            took = now - self._boundary_at
-            self._round_s = (
-                took if self._round_s is None else self._round_s + ROUND_TIME_WEIGHT * (took - self._round_s)
-            )
-        if self._paired_at is not None and self._boundary_at is not None and round_index == self._last_round + 1:
-            took = compute_sample(now - self._boundary_at, now - self._paired_at, self._overlap)
-            self._compute_s = (
-                took if self._compute_s is None else self._compute_s + ROUND_TIME_WEIGHT * (took - self._compute_s)
-            )
+            self._round_s = _averaged(self._round_s, now - self._boundary_at)
+            if self._paired_at is not None:
+                computing = compute_sample(now - self._boundary_at, now - self._paired_at, self._overlap)
+                self._compute_s = _averaged(self._compute_s, computing)
         self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
         current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
