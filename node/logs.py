@@ -4,7 +4,8 @@ import logging
 import sys
 from pathlib import Path
 
-_FORMAT = "%(asctime)s %(levelname)-7s [%(peer)s] %(name)s: %(message)s"
+# Milliseconds: pairing and round timings between nodes are read off these lines.
+_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s [%(peer)s] %(name)s: %(message)s"
 
 
 class _PeerFilter(logging.Filter):
