@@ -7,9 +7,19 @@ import pytest
 import trio
 import trio.testing
 
-from node.algorithms.noloco.lag import MAX_LAG, PULL_AHEAD_ROUNDS, catch_up_steps, lag_of, rounds_to_skip
+from node.algorithms.noloco.lag import (
+    CATCH_UP_FROM,
+    LEAD_MEMORY_ROUNDS,
+    MAX_LAG,
+    PULL_AHEAD_ROUNDS,
+    catch_up_steps,
+    lead_of,
+    rounds_to_skip,
+)
 from node.algorithms.noloco.pairing import (
+    BAD_SINCE_POINTS,
     PAST_THE_RUN_POINTS,
+    SINCE_SHARE_MAX,
     Pairing,
     _Round,
     compute_sample,
@@ -304,17 +314,20 @@ async def test_a_node_a_round_behind_pulls_its_peers_next_round() -> None:
 
 
 def test_a_node_behind_its_peers_shortens_its_next_round_by_their_lead() -> None:
-    """H / (1 + lag) steps (at least 1, lag at most MAX_LAG), the lag the second-highest
-    round its peers told it (one peer claiming a far round cannot shorten our rounds)."""
-    assert [catch_up_steps(10, lag) for lag in (-1, 0, 1, 2, 3, 50)] == [10, 10, 5, 4, 3, 3]
+    """H / (1 + lead) steps (at least 1, lead at most MAX_LAG; under CATCH_UP_FROM of a
+    round, none), the lead the second-highest its peers told it (one peer claiming a far
+    round cannot shorten our rounds)."""
+    assert [catch_up_steps(10, lead) for lead in (-1, 0, 1, 2, 3, 50)] == [10, 10, 5, 4, 3, 3]
     assert catch_up_steps(1, 3) == 1
-    assert lag_of(5, {}, peers=3) == 0
-    assert lag_of(5, {"a": 4, "b": 5}, peers=3) == 0
-    assert lag_of(5, {"a": 7}, peers=1) == 2  # our only peer: its word
-    assert lag_of(5, {"a": 7}, peers=3) == 0  # one of three: not enough
-    assert lag_of(5, {"a": 1 << 40, "b": 6, "c": 5}, peers=3) == 1  # a liar ahead alone moves nothing
-    assert lag_of(5, {"liar": 1 << 40, "b": 5}, peers=3) == 0  # b accepted us: at our round
-    assert lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3) == MAX_LAG
+    assert catch_up_steps(10, CATCH_UP_FROM - 0.01) == 10  # the one ahead waits for us (its window)
+    assert catch_up_steps(10, 0.8) == 6  # 10 / 1.8 rounded up
+    assert lead_of([], peers=3) == 0
+    assert lead_of([-1, 0], peers=3) == 0
+    assert lead_of([2], peers=1) == 2  # our only peer: its word
+    assert lead_of([2], peers=3) == 0  # one of three: not enough
+    assert lead_of([1e12, 1, 0], peers=3) == 1  # a liar ahead alone moves nothing
+    assert lead_of([1e12, 0], peers=3) == 0  # the other accepted us: at our round
+    assert lead_of([1e12, 1e12], peers=3) == MAX_LAG
 
 
 def test_a_node_further_behind_than_a_pull_reaches_skips_to_its_peers_round() -> None:
@@ -322,11 +335,143 @@ def test_a_node_further_behind_than_a_pull_reaches_skips_to_its_peers_round() ->
     to its peers' round (at most MAX_LAG at a time: the lag is capped)."""
     assert [rounds_to_skip(lag) for lag in range(PULL_AHEAD_ROUNDS + 1)] == [0] * (PULL_AHEAD_ROUNDS + 1)
     assert rounds_to_skip(PULL_AHEAD_ROUNDS + 1) == PULL_AHEAD_ROUNDS + 1
-    assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 1 << 40}, peers=3)) == MAX_LAG
-    assert rounds_to_skip(lag_of(5, {"a": 1 << 40, "b": 5}, peers=3)) == 0  # one liar skips nothing
-    assert rounds_to_skip(lag_of(5, {"a": 1 << 40}, peers=2)) == 0  # nor as our only peer (vouched_lag)
+    assert rounds_to_skip(int(lead_of([1e12, 1e12], peers=3))) == MAX_LAG
+    assert rounds_to_skip(int(lead_of([1e12, 0], peers=3))) == 0  # one liar skips nothing
+    assert rounds_to_skip(int(lead_of([1e12], peers=2))) == 0  # nor as our only peer (vouched_lag)
     # At most a third of the run's rounds in all: liars cost a node at most that.
     assert [rounds_to_skip(MAX_LAG, skipped=k, rounds=30) for k in (0, 7, 9, 10, 12)] == [3, 3, 1, 0, 0]
+
+
+async def test_peers_that_reached_our_round_long_before_us_say_so_and_we_catch_up() -> None:
+    """Busy answers say how long ago the answerer reached its round ("since"): two peers
+    past our round by 8 s of our 10 s of computing a round put us 0.8 of a round behind
+    (less the answer's travel), so our next round is shortened; by 3 s, not (their
+    pairing window would have waited for us). Without "since" two pairs a fraction of a
+    round apart never met again (lag.py ``CATCH_UP_FROM``)."""
+    async with nodes(3) as group:
+        (_, pa), (b, pb), (c, pc) = group
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        for ahead_s, shortened in ((8.0, True), (3.0, False)):
+            pa._compute_s, pa._last_round, pa._boundary_at, pa._paired_at = 10.0, 0, None, None
+            for p in (pb, pc):
+                p._last_round, p._boundary_at = 1, trio.current_time() - ahead_s
+            with trio.fail_after(60):
+                assert await pa.find_partner(1, *box, [b.peer_id, c.peer_id], timeout_s=600) is None
+            # Measured at the answer, read at our end a travel time later: under ahead_s.
+            assert ahead_s / 10.0 - 0.1 < pa.lead <= ahead_s / 10.0
+            assert pa.lag == 0 and pa.vouched_lag == 0
+            assert (catch_up_steps(10, pa.lead) < 10) is shortened
+            pa.caught_up(1.0)
+
+
+@pytest.mark.parametrize("since", [-1.0, float("nan"), float("inf"), "9", True, 2**63])
+async def test_a_since_no_honest_node_sends_counts_for_nothing_and_costs_a_point(since: object) -> None:
+    async with nodes(2) as group:
+        (a, pa), (b, pb) = group
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        pa._compute_s = 10.0
+        pb._last_round = 1
+        pb._at = lambda: {"round": 1, "since": since}  # type: ignore[method-assign]
+        with trio.fail_after(60):
+            assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
+        assert pa.lead == 0
+        assert a.peers.penalty(b.peer_id) == 2 * BAD_SINCE_POINTS  # to "pair?", then to "pull?"
+
+
+async def test_two_pairs_a_fraction_of_a_round_apart_come_back_together() -> None:
+    """Four nodes with rounds of 0.8 s of computing (H = 10 steps, the worker waiting while
+    they pair, as SPES's does); at round 2 two of them fall 0.6 s (0.75 of a round)
+    behind. Before, nothing brought them back: the two ahead, asking their scheduled
+    partner, heard "never, not near" (over half a round to go) and paired with each other,
+    the two behind likewise, round after round (SPES beside a CPU hog: 11 rounds, shared
+    weights drifting apart). Now the two behind hear how long before them the others
+    reached their rounds, shorten rounds, and come within the window of the ones ahead."""
+    compute_s, steps_per_round, rounds, behind = 0.8, 10, 12, {2, 3}
+    async with nodes(4) as group:
+        ids = [h.peer_id for h, _ in group]
+        boundary_at: dict[tuple[int, int], float] = {}
+        shortened = [0] * len(group)
+
+        async def node(i: int) -> None:
+            host, pairing = group[i]
+            outbox, inbox = memoryview(bytearray([i + 1]) * NBYTES), memoryview(bytearray(NBYTES))
+            others = [p for p in ids if p != host.peer_id]
+            steps = steps_per_round
+            for r in range(rounds):
+                await trio.sleep(compute_s * steps / steps_per_round + (0.6 if r == 2 and i in behind else 0.0))
+                boundary_at[i, r] = trio.current_time()
+                await pairing.find_partner(r, outbox, inbox, others, timeout_s=20)
+                steps = catch_up_steps(steps_per_round, pairing.lead)
+                if steps < steps_per_round:
+                    shortened[i] += 1
+                    pairing.caught_up(steps / steps_per_round)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(group)):
+                    nursery.start_soon(node, i)
+
+    def apart(r: int) -> float:
+        """How far apart the two groups reached round r's boundary."""
+        ahead = [t for (i, at), t in boundary_at.items() if at == r and i not in behind]
+        late = [t for (i, at), t in boundary_at.items() if at == r and i in behind]
+        return abs(sum(late) / len(late) - sum(ahead) / len(ahead))
+
+    assert apart(2) > compute_s / 2  # they were apart
+    assert sum(shortened[i] for i in behind) > 0, boundary_at
+    # Back within half a round: the pairing window of the ones ahead reaches them.
+    assert max(apart(r) for r in (rounds - 2, rounds - 1)) < compute_s / 2, boundary_at
+
+
+def test_a_pair_behind_together_hears_the_pair_ahead_over_rounds() -> None:
+    """Behind with our partner, each round we hear one peer of the pair ahead (the
+    schedule's) and our partner, at our round: what peers told counts for
+    LEAD_MEMORY_ROUNDS of our rounds, so two of them ahead move us within two rounds (in a
+    round's answers alone the second-highest was always our partner's 0: a SPES pair fell 3
+    rounds behind with no lag seen). Spent once we caught up on it; a stranger's "since"
+    counts for at most SINCE_SHARE_MAX of a round."""
+    pairing = Pairing.__new__(Pairing)
+    pairing._leads = {}
+    peers = ["a", "b", "d"]
+    pairing._remember_leads(5, {"a": 1.9, "d": 0.0}, peers)
+    assert pairing.lead == 0
+    pairing._remember_leads(6, {"b": 1.9, "d": 0.0}, peers)
+    assert pairing.lead == 1.9 and pairing.lag == 1 and pairing.vouched_lag == 1
+    pairing.caught_up(0.5)
+    pairing._remember_leads(7, {"a": 1.9, "d": 0.0}, peers)
+    assert pairing.lead == 0
+    pairing._remember_leads(7 + LEAD_MEMORY_ROUNDS, {"b": 1.9, "d": 0.0}, peers)
+    assert pairing.lead == 0  # a's word of round 7 is too old
+    # A peer gone (or banned) since it told us counts no more: not even as our only peer's word.
+    pairing._remember_leads(20, {"liar": 3.0, "b": 0.9}, peers)
+    pairing._remember_leads(21, {}, ["b"])
+    assert pairing.lead == 0.9
+    pairing._compute_s, pairing._boundary_at = 10.0, None
+    assert pairing._since_share(9.0) == 0.0  # no boundary of ours to compare with
+
+
+@pytest.mark.parametrize("since", ["9", True, None, -5.0, float("nan"), float("inf"), 1e300, 10**40])
+async def test_a_strangers_since_counts_for_at_most_a_round(since: object) -> None:
+    pairing = Pairing.__new__(Pairing)
+    pairing._compute_s, pairing._boundary_at = 10.0, trio.current_time()
+    share = pairing._since_share(since)
+    big = type(since) is float and since > 0
+    assert share == (SINCE_SHARE_MAX if big else 0.0)
+
+
+@pytest.mark.parametrize(("short", "answer"), [(1.0, "never"), (0.5, "busy")])
+async def test_a_node_in_a_shortened_round_expects_its_boundary_sooner(short: float, answer: str) -> None:
+    """0.1 s into a round of 10 s of computing: not near (over half of it to go), but
+    near when the round is shortened to half its steps; judged by whole rounds, a node
+    catching up said "never" to the peer ahead it was catching up with."""
+    async with nodes(2) as group:
+        (_, pa), (b, pb) = group
+        now = trio.current_time()
+        pb._last_round, pb._boundary_at, pb._paired_at, pb._compute_s = 0, now - 0.1, now - 0.1, 10.0
+        pb._short = short
+        current = _Round(1, memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        with trio.fail_after(30):
+            assert await pa._ask(b.peer_id, current) == answer
 
 
 async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for() -> None:
@@ -569,3 +714,39 @@ async def test_the_larger_id_takes_its_scheduled_partners_question_while_asking_
                 nursery.start_soon(one, small, ps, asked)
         assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
         assert not ps.last_pulled  # paired (without the rule: a pull once its sweeps ran out)
+
+
+async def test_two_nodes_asking_each_other_at_once_pair_by_id() -> None:
+    """Outside any window: the larger id, asking the smaller, takes the smaller's question
+    (the smaller's own hears "asking"). Before, both heard "asking" and backed off; here the
+    larger id's question lasts as long as the smaller's pairing, so the smaller asked until
+    its sweeps ran out and pulled instead."""
+    async with nodes(2) as group:
+        (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
+        for _, pairing in group:
+            pairing._prefer_share = 0.0  # no schedule window: asking anyone at once
+        small_done, asked = trio.Event(), trio.Event()
+
+        async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
+            asked.set()
+            await small_done.wait()
+            return "asking"
+
+        pl._ask = stuck_question  # type: ignore[method-assign]
+        results: dict[str, str | None] = {}
+
+        async def one(host: Host, pairing: Pairing, after: trio.Event | None) -> None:
+            if after is not None:
+                await after.wait()
+            box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+            other = small.peer_id if host is large else large.peer_id
+            results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=8)
+            if host is small:
+                small_done.set()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, large, pl, None)
+                nursery.start_soon(one, small, ps, asked)
+        assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
+        assert not ps.last_pulled

@@ -119,17 +119,20 @@ class Noloco(PayloadRounds):
         # to their rounds, where a partner (or a pull a round ahead) can still be found.
         # Further behind than a pull reaches: on to their round (the worker says how many
         # rounds it skipped: never past the run's last), whole rounds from there.
-        lag = self.pairing.lag
+        # A fraction of a round behind counts too (half or more): two pairs that far apart
+        # never meet (lag.py ``CATCH_UP_FROM``).
+        lead = self.pairing.lead
         skipped, rounds = self.rounds_skipped, self.ctx.run.rounds
         skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds)
-        steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lag - skip)
+        steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lead - skip)
         if steps < self.ctx.run.inner.steps_per_round:
             self.rounds_shortened += 1
         if steps < self.ctx.run.inner.steps_per_round or skip:
+            self.pairing.caught_up(steps / self.ctx.run.inner.steps_per_round)
             logger.info(
-                "round %d: peers %d round(s) ahead: %d round(s) skipped, %d steps next round",
+                "round %d: peers %.2f round(s) ahead: %d round(s) skipped, %d steps next round",
                 round_index,
-                lag,
+                lead,
                 skip,
                 steps,
             )

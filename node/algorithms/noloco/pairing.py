@@ -7,7 +7,8 @@ Protocol flow (``/swarmtrain/pair/1.0.0``), one question per stream:
                                                  unpaired, not itself asking, and its payload
                                                  has the same size
                                       ◀───────── {t: "accept", v: 1} or
-                                                 {t: "busy", v: 1, retry, reason}
+                                                 {t: "busy", v: 1, retry, reason, round, since}
+                                                 (its round, and the seconds since it reached it)
     after "accept" each sends its payload to the other (protocol/net/exchange.py, same round)
 
 Who may pair: only members of the run (``is_member``: a signed member record we hold),
@@ -19,8 +20,10 @@ only our partner's (or the asked peer's) payload of our size for our round gets 
 
 A node at a boundary ``offer``s its payload, then ``find_partner`` asks live peers in
 random order; "busy" means try another. Meanwhile it accepts the first peer that asks it.
-Two nodes asking each other at the same moment both answer "busy" (each holds its asking
-lock). After such a "busy, asking someone" the asker pauses a random time proportional to
+A node asking someone answers "busy, asking someone" (it holds its asking lock), except to
+the peer it is asking itself when that one has the smaller id: two nodes asking each other
+at the same moment pair at once (``_takes_while_asking``). After a "busy, asking someone"
+the asker pauses a random time proportional to
 how long its questions take (``backoff_s``) before it asks anyone again, so the time nodes
 spend asking stays a fraction of their time at the boundary even on a loaded machine:
 with a fixed pause of 50–300 ms, a 16-node soak on 2 cores (one question taking seconds)
@@ -78,14 +81,15 @@ delays our round by at most that, once per round.
 
 import hashlib
 import logging
+import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
 
-from node.algorithms.noloco.lag import PULL_AHEAD_ROUNDS, lag_of
+from node.algorithms.noloco.lag import LEAD_MEMORY_ROUNDS, MAX_LAG, PULL_AHEAD_ROUNDS, lead_of
 from protocol import wire
 from protocol.errors import ProtocolError
 from protocol.net.exchange import Payload, TensorSpec, send_tensors
@@ -144,6 +148,11 @@ WAITING_FOR_PARTNER = "waiting for this round's partner"
 # half a round: under this on a fast model or a loaded machine) waited out its window at
 # every boundary for a partner already past it, and stayed behind.
 SCHEDULED_SLOW_ASK_S = 1.0
+# At most this share of a round for how long before us a peer reached a round ("since"):
+# under one, so a lead's whole rounds stay the rounds it told.
+SINCE_SHARE_MAX = 0.95
+# A "since" that is not a finite float of seconds, at least 0 (an honest node never sends one).
+BAD_SINCE_POINTS = 1
 # A peer saying it is at a round past the run's last lies (an honest one stops there):
 # its word is dropped, and costs it this (it would make us skip rounds: ``rounds_to_skip``).
 PAST_THE_RUN_POINTS = 1
@@ -225,8 +234,10 @@ class _Round:
     """``partner`` is a peer we pull from: it takes no payload from us."""
     pulling: bool = False
     """We ask for pulls: the payload may be of a round up to ``PULL_AHEAD_ROUNDS`` past ours."""
-    told: dict[str, int] = field(default_factory=dict)
-    """The round each peer we asked said it is at (its busy answers)."""
+    told: dict[str, float] = field(default_factory=dict)
+    """How many rounds ahead of ours each peer we asked is: by its busy answers (its round,
+    less ours, plus how long before us it reached it as a share of our computing time), 0
+    if it accepted, a pulled payload's round less ours."""
     scheduled: str | None = None
     """This round's scheduled partner, while we still wait for it (None: not, or no more)."""
     scheduled_until: float = 0.0
@@ -289,10 +300,16 @@ class Pairing:
         self.pulls_served = 0
         self.last_pulled = False
         """The last round's partner payload was a pull."""
+        self.lead = 0.0
+        """How many rounds our peers were ahead of our last round (``lead_of``; fractions
+        of a round for how long before us they reached it)."""
         self.lag = 0
-        """How many rounds our peers were ahead of our last round (``lag_of``)."""
+        """``lead``'s whole rounds."""
         self.vouched_lag = 0
         """``lag`` by two peers' word at least, even when only one is live (what skips rounds)."""
+        self._leads: dict[str, tuple[int, float]] = {}
+        """Peer → (our round when it told us, its lead in rounds then): ``lead``'s input, for
+        ``LEAD_MEMORY_ROUNDS`` (a pair behind together hears the pair ahead one peer a round)."""
         self._boundary_at: float | None = None
         self._round_s: float | None = None
         """Our rounds' time, boundary to boundary (a moving average)."""
@@ -300,6 +317,9 @@ class Pairing:
         """When our last pairing ended (the worker's steps to our next boundary went on)."""
         self._compute_s: float | None = None
         """A round's computing time (``compute_sample``, a moving average): ``_near``'s scale."""
+        self._short = 1.0
+        """The share of a round's steps our worker takes this round: under 1 when shortened
+        (``caught_up``), for when we expect our boundary and for the round's time samples."""
 
     @property
     def round_s(self) -> float | None:
@@ -342,7 +362,8 @@ class Pairing:
             return
         self.bytes_received += len(payload.data)
         if current.pulling:
-            current.told[peer_id] = payload.round  # a pull's payload says where its sender is
+            # A pull's payload says where its sender is.
+            current.told[peer_id] = max(current.told.get(peer_id, 0.0), float(payload.round - current.index))
         if peer_id != current.partner:
             # The peer accepted and sent before its "accept" reached us: keep it for a moment.
             current.early = bytes(payload.data)
@@ -366,10 +387,13 @@ class Pairing:
         await self.close_pulls(grace=False)  # the outbox holds this round's payload now
         now = trio.current_time()
         if self._boundary_at is not None and round_index == self._last_round + 1:
-            self._round_s = _averaged(self._round_s, now - self._boundary_at)
+            # A shortened round counts as the whole round it stood for.
+            left_out = (1.0 - self._short) * (self._compute_s or 0.0)
+            self._round_s = _averaged(self._round_s, now - self._boundary_at + left_out)
             if self._paired_at is not None:
                 computing = compute_sample(now - self._boundary_at, now - self._paired_at, self._overlap)
-                self._compute_s = _averaged(self._compute_s, computing)
+                self._compute_s = _averaged(self._compute_s, computing / self._short)
+        self._short = 1.0
         self._boundary_at = now
         current = _Round(round_index, outbox, inbox)
         current.scheduled = scheduled_partner(self._schedule_seed, round_index, self._host.peer_id, candidates)
@@ -398,11 +422,33 @@ class Pairing:
             return current.partner if current.received else None
         finally:
             self.last_pulled = current.pulled and current.received
-            self.lag = lag_of(round_index, current.told, peers=len(candidates))
-            self.vouched_lag = lag_of(round_index, current.told, peers=max(2, len(candidates)))
+            self._remember_leads(round_index, current.told, candidates)
             self._round = None
             self._last_round = max(self._last_round, round_index)
             self._paired_at = trio.current_time()
+
+    def _remember_leads(self, round_index: int, told: dict[str, float], candidates: Collection[str]) -> None:
+        """What peers told us at round ``round_index`` (rounds ahead of it), with what our
+        ``candidates`` (the live trainers: a peer gone or banned since counts no more) told
+        in our last ``LEAD_MEMORY_ROUNDS`` rounds: ``lead``, ``lag``, ``vouched_lag``."""
+        for peer_id, lead in told.items():
+            self._leads[peer_id] = (round_index, lead)
+        for peer_id, (at, _) in list(self._leads.items()):
+            if at <= round_index - LEAD_MEMORY_ROUNDS or peer_id not in candidates:
+                del self._leads[peer_id]
+        leads = [lead for _, lead in self._leads.values()]
+        self.lead = lead_of(leads, peers=len(candidates))
+        self.lag = int(self.lead)
+        self.vouched_lag = int(lead_of(leads, peers=max(2, len(candidates))))
+
+    def caught_up(self, steps_share: float) -> None:
+        """Our next round is shortened to ``steps_share`` of its steps (or rounds skipped)
+        for ``lead``: what peers told us until now is spent (they were ahead of where we
+        will be), and we expect our next boundary that much sooner (``_near``: a node
+        catching up that judged by whole rounds said "never, not near" to the very peer
+        ahead it was catching up with)."""
+        self._leads.clear()
+        self._short = min(1.0, max(0.0, steps_share)) or 1.0
 
     async def _await_payload(self, current: _Round) -> bool:
         """Until the partner's payload is in; False (and the partner penalized and dropped)
@@ -569,12 +615,18 @@ class Pairing:
         self._ask_s += ASK_TIME_WEIGHT * (took - self._ask_s)
         told = reply.get("round")
         if reply["t"] == "accept" and question == "pair?":
-            current.told[peer_id] = current.index  # it pairs for our round: it is at it
+            current.told[peer_id] = 0.0  # it pairs for our round: it is at it
         elif type(told) is int and self._rounds <= told < 1 << 62:
             reason = f"said it is at round {told} of {self._rounds}"
             await self._host.punish(peer_id, reason, points=PAST_THE_RUN_POINTS)
         elif type(told) is int and -1 <= told < 1 << 62:
-            current.told[peer_id] = told
+            since = reply.get("since")
+            if since is not None and not (type(since) is float and 0.0 <= since < math.inf):
+                # An honest node says a finite float of seconds, never negative.
+                await self._host.punish(peer_id, f"said it reached its round {since!r} s ago", points=BAD_SINCE_POINTS)
+                since = None
+            ahead = max(-1.0 - MAX_LAG, min(1.0 + MAX_LAG, float(told - current.index)))
+            current.told[peer_id] = ahead + self._since_share(since)
         if reply["t"] == "accept":
             return "accept"
         if reply.get("retry") is False:
@@ -624,13 +676,7 @@ class Pairing:
             verdict = ("never", f"payload of {nbytes} bytes, ours is {len(current.outbox)}")
         elif current.waiting_for_scheduled() and stream.peer_id != current.scheduled:
             verdict = ("later", WAITING_FOR_PARTNER)
-        elif self._asking.locked() and not (
-            stream.peer_id == current.scheduled
-            and current.waiting_for_scheduled()
-            and stream.peer_id < self._host.peer_id
-        ):
-            # (Our scheduled partner of the smaller id is the one who asks: taken even while we
-            # ask it ourselves, only to hear a "never"; our question then hears "asking".)
+        elif self._asking.locked() and not self._takes_while_asking(current, stream.peer_id):
             verdict = ("later", ASKING)
         else:
             verdict = None
@@ -644,6 +690,19 @@ class Pairing:
         await wire.send(stream, "accept", VERSION, {})
         self._start_sending(current)
         self._notify()
+
+    def _takes_while_asking(self, current: _Round, asker: str) -> bool:
+        """Asked while we ask someone: whether we take the question anyway. Our scheduled
+        partner of the smaller id is the one who asks: taken even while we ask it ourselves,
+        only to hear a "never". And two nodes asking each other to pair at once pair by id:
+        the smaller id's question is taken, the larger's hears "asking" (both used to hear
+        "asking" and back off, up to 0.3 s a round or more on a loaded machine: a pair
+        behind its peers, asking each other once their scheduled partners said "never",
+        lost that each round and stayed behind)."""
+        if asker >= self._host.peer_id:
+            return False
+        scheduled = asker == current.scheduled and current.waiting_for_scheduled()
+        return scheduled or (asker == current.asking and not current.pulling)
 
     async def _answer_pull(self, stream: Stream, round_index: int, nbytes: int) -> None:
         pulls = self._pulls
@@ -669,10 +728,26 @@ class Pairing:
             return
         await wire.send(stream, "busy", VERSION, {"retry": False, "reason": reason, **self._at()})
 
-    def _at(self) -> dict[str, int]:
-        """The round we are at (at its boundary, or the last one we reached): busy answers
-        say it, so a node behind its peers learns by how far (``lag``)."""
-        return {"round": self._round.index if self._round is not None else self._last_round}
+    def _at(self) -> dict[str, int | float]:
+        """The round we are at (at its boundary, or the last one we reached), and the seconds
+        since we reached it: busy answers say both, so a node behind its peers learns by how
+        far (``lead``), fractions of a round too."""
+        at: dict[str, int | float] = {"round": self._round.index if self._round is not None else self._last_round}
+        if self._boundary_at is not None:
+            at["since"] = round(trio.current_time() - self._boundary_at, 3)
+        return at
+
+    def _since_share(self, since: object) -> float:
+        """A peer's "since" (seconds since it reached the round it told) less our own time
+        at our boundary, as a share of our round's computing time (what a shortened round
+        saves; what ``_near`` judges by, so a peer too far ahead to wait for us is half a
+        round ahead by this too): how far before us it reached it, in [0, SINCE_SHARE_MAX]
+        (a stranger's word: anything else counts as 0; no computing time yet: 0)."""
+        if type(since) is not float or self._compute_s is None or self._boundary_at is None:
+            return 0.0
+        ours = trio.current_time() - self._boundary_at
+        share = (since - ours) / self._compute_s
+        return min(SINCE_SHARE_MAX, share) if share > 0.0 else 0.0  # also a NaN
 
     def _near(self, round_index: int) -> bool:
         """Whether we expect to reach ``round_index``'s boundary soon (computing towards it)."""
@@ -680,7 +755,7 @@ class Pairing:
             return True  # no rounds to judge by yet (a node just started or restarted): ask again
         if round_index != self._last_round + 1:
             return False
-        expected = next_boundary(self._boundary_at, self._paired_at, self._compute_s, self._overlap)
+        expected = next_boundary(self._boundary_at, self._paired_at, self._compute_s * self._short, self._overlap)
         return expected - trio.current_time() <= NEAR_BOUNDARY * self._compute_s
 
     async def _send_pull(self, peer_id: str, pulls: _Pulls, scope: trio.CancelScope, sent: trio.Event) -> None:
