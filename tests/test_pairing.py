@@ -750,3 +750,16 @@ async def test_two_nodes_asking_each_other_at_once_pair_by_id() -> None:
                 nursery.start_soon(one, small, ps, asked)
         assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
         assert not ps.last_pulled
+
+
+async def test_a_workers_restart_is_not_taken_for_a_round() -> None:
+    """Rounds of 1 s, then 30 s down (the worker restarting) before the next boundary: the
+    round time stays 1 s (it was 9.7 s: a pairing window of ~5 s at the next boundaries)."""
+    async with nodes(1) as group:
+        (_, pa), *_ = group
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        pa._round_s, pa._compute_s, pa._last_round = 1.0, 1.0, 4
+        pa._boundary_at = pa._paired_at = trio.current_time() - 30.0
+        pa.worker_started()
+        assert await pa.find_partner(5, *box, [], timeout_s=10) is None
+        assert pa.round_s == 1.0 and pa._compute_s == 1.0

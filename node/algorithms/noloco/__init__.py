@@ -62,6 +62,9 @@ class Noloco(PayloadRounds):
         self._drifted_from: list[str] = []
         """Partners whose payloads our worker refused as drifted since it last used one."""
 
+    def ready(self, worker: WorkerConnection) -> None:
+        self.pairing.worker_started()
+
     def overlap_share(self) -> float:
         """The share of a round's steps our worker takes while we pair (training/algorithms/
         noloco.py runs its rounds overlapped; SPES's worker waits at each boundary)."""
