@@ -386,7 +386,7 @@ async def test_two_pairs_a_fraction_of_a_round_apart_come_back_together() -> Non
     the two behind likewise, round after round (SPES beside a CPU hog: 11 rounds, shared
     weights drifting apart). Now the two behind hear how long before them the others
     reached their rounds, shorten rounds, and come within the window of the ones ahead."""
-    compute_s, steps_per_round, rounds, behind = 0.8, 10, 12, {2, 3}
+    compute_s, steps_per_round, rounds, behind = 0.8, 10, 10, {2, 3}
     async with nodes(4) as group:
         ids = [h.peer_id for h, _ in group]
         boundary_at: dict[tuple[int, int], float] = {}
