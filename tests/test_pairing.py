@@ -680,39 +680,50 @@ async def test_the_larger_id_hears_its_scheduled_partner_cannot_come_and_stops_w
             assert await pa.find_partner(1, *box, [b.peer_id], timeout_s=600) is None
 
 
+async def pair_while_the_larger_id_asks_the_smaller(
+    group: list[tuple[Host, Pairing]], *, timeout_s: float
+) -> tuple[dict[str, str | None], Pairing]:
+    """Round 0 for two nodes, the larger id's question to the smaller one lasting as long as
+    the smaller's pairing (a loaded machine), the smaller asking once it is out: each
+    node's partner, and the smaller's pairing."""
+    (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
+    small_done, asked = trio.Event(), trio.Event()
+
+    async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
+        asked.set()
+        await small_done.wait()
+        return "asking"
+
+    pl._ask = stuck_question  # type: ignore[method-assign]
+    results: dict[str, str | None] = {}
+
+    async def one(host: Host, pairing: Pairing, after: trio.Event | None) -> None:
+        if after is not None:
+            await after.wait()  # the smaller id once the larger one's question is out
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        other = small.peer_id if host is large else large.peer_id
+        results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=timeout_s)
+        if host is small:
+            small_done.set()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, large, pl, None)
+            nursery.start_soon(one, small, ps, asked)
+    return results, ps
+
+
 async def test_the_larger_id_takes_its_scheduled_partners_question_while_asking_it_itself() -> None:
     """The larger id asks its scheduled partner once in a while (to hear a "never"); on a
     loaded machine that question can take seconds, and the smaller id's questions then
     heard "asking" until the window was gone (a second reader paired 4 of 8 times within
     it). The larger id now takes its scheduled partner's question even while asking."""
     async with nodes(2) as group:
-        (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
         for _, pairing in group:
             pairing._round_s = 40.0  # a window of 10 s (a quarter of the 40 s bound)
-        small_done, asked = trio.Event(), trio.Event()
-
-        async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
-            asked.set()
-            await small_done.wait()  # a question that takes as long as the smaller id's pairing
-            return "asking"
-
-        pl._ask = stuck_question  # type: ignore[method-assign]
-        results: dict[str, str | None] = {}
-
-        async def one(host: Host, pairing: Pairing, after: trio.Event | None) -> None:
-            if after is not None:
-                await after.wait()  # the smaller id once the larger one's question is out
-            box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
-            other = small.peer_id if host is large else large.peer_id
-            results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=40)
-            if host is small:
-                small_done.set()
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, large, pl, None)
-                nursery.start_soon(one, small, ps, asked)
-        assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
+        results, ps = await pair_while_the_larger_id_asks_the_smaller(group, timeout_s=40)
+        (a, _), (b, _) = group
+        assert results == {a.peer_id: b.peer_id, b.peer_id: a.peer_id}
         assert not ps.last_pulled  # paired (without the rule: a pull once its sweeps ran out)
 
 
@@ -722,33 +733,11 @@ async def test_two_nodes_asking_each_other_at_once_pair_by_id() -> None:
     larger id's question lasts as long as the smaller's pairing, so the smaller asked until
     its sweeps ran out and pulled instead."""
     async with nodes(2) as group:
-        (large, pl), (small, ps) = sorted(group, key=lambda pair: pair[0].peer_id, reverse=True)
         for _, pairing in group:
             pairing._prefer_share = 0.0  # no schedule window: asking anyone at once
-        small_done, asked = trio.Event(), trio.Event()
-
-        async def stuck_question(peer_id: str, current: _Round, *, question: str = "pair?") -> str:
-            asked.set()
-            await small_done.wait()
-            return "asking"
-
-        pl._ask = stuck_question  # type: ignore[method-assign]
-        results: dict[str, str | None] = {}
-
-        async def one(host: Host, pairing: Pairing, after: trio.Event | None) -> None:
-            if after is not None:
-                await after.wait()
-            box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
-            other = small.peer_id if host is large else large.peer_id
-            results[host.peer_id] = await pairing.find_partner(0, *box, [other], timeout_s=8)
-            if host is small:
-                small_done.set()
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, large, pl, None)
-                nursery.start_soon(one, small, ps, asked)
-        assert results == {small.peer_id: large.peer_id, large.peer_id: small.peer_id}
+        results, ps = await pair_while_the_larger_id_asks_the_smaller(group, timeout_s=8)
+        (a, _), (b, _) = group
+        assert results == {a.peer_id: b.peer_id, b.peer_id: a.peer_id}
         assert not ps.last_pulled
 
 
