@@ -98,11 +98,19 @@ def seed_halves(seeds: Sequence[int], *, device: torch.device | str = "cpu") -> 
 def param_keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
     """``key(s, p)`` of every seed (``seed_halves``) for parameter p, with torch's integer
     ops on the halves' device: [2 (ka, kb), len(seeds)], int64 holding uint32 values."""
-    if not 0 <= param_index <= M32:
-        raise ValueError(f"param_index must be in [0, 2**32), got {param_index}")
-    salted = mix_int(param_index ^ PARAM_SALT)
+    return params_keys(halves, param_index, 1)[0]
+
+
+def params_keys(halves: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """``param_keys`` of parameters first .. first + count − 1 in one set of tensor ops:
+    [count, 2 (ka, kb), len(seeds)]. On a GPU each op is a launch, so keys a parameter at a
+    time cost ~0.7 ms per parameter (gpt-125m's 148: 109 ms a call on an H200, 2026-11-27)."""
+    if count < 0 or first < 0 or first + count - 1 > M32:
+        raise ValueError(f"parameter indices must lie in [0, 2**32), got [{first}, {first + count})")
+    salts = [mix_int(p ^ PARAM_SALT) for p in range(first, first + count)]
+    salted = torch.tensor(salts, dtype=torch.int64).to(halves.device).reshape(-1, 1)
     ka = _mix(_mix(salted ^ halves[:, 0]) ^ halves[:, 1])
-    return torch.stack([ka, _mix(ka ^ KEY_SALT)])
+    return torch.stack([ka, _mix(ka ^ KEY_SALT)], dim=1)
 
 
 def bits(

@@ -24,7 +24,7 @@ reference's bits: torch has no unsigned 32-bit multiply, so the reference splits
 16-bit halves on int64 (a hash of 1 M indices: 24 ms in torch, 1.5 ms in NumPy, one
 thread). ``apply_triton`` runs the fused GPU kernels: one read and one write of θ whatever K
 is, z generated in registers (kernels/rng.py's definitions in uint32), the keys of every
-(seed, parameter) derived on the device (``rng.param_keys``: no Python loop per update),
+(seed, parameter) derived on the device (``rng.params_keys``, many parameters at once: no Python loop per update),
 the seeds uploaded once a call. Version 1's kernel makes one hash per element and update;
 version 2's one per word of 32 elements, in the one thread that holds the word.
 
@@ -66,7 +66,7 @@ them, but K = 1 may lose some of its bandwidth).
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -206,9 +206,9 @@ def apply_cpu(
     halves = rng.seed_halves(seeds)
     words_per = 1 if version == 1 else rng.SIGNS_PER_WORD
     with np.errstate(over="ignore", invalid="ignore"):  # ±inf and NaN follow IEEE, as in torch: no warnings
-        for p, param in enumerate(params):
-            kas, kbs = rng.param_keys(halves, p).numpy().astype(np.uint32)  # one parameter's: O(K) memory
-            _apply_cpu_one(param, kas, kbs, sign_bits, edges, version, words_per)
+        for first, chunk in _key_chunks(halves, len(params)):
+            for j, (kas, kbs) in enumerate(chunk.numpy().view(np.uint32)):
+                _apply_cpu_one(params[first + j], kas, kbs, sign_bits, edges, version, words_per)
 
 
 def _apply_cpu_one(
@@ -246,11 +246,19 @@ def _apply_cpu_one(
             segment -= acc
 
 
-def _keys(halves: torch.Tensor, param_index: int) -> torch.Tensor:
-    """One parameter's key pairs, derived on the halves' device: [ka | kb, update], int32."""
-    pairs = rng.param_keys(halves, param_index)
-    # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernels bitcast.
-    return torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32).contiguous()
+KEYS_AT_ONCE = 1 << 20
+"""Key pairs derived in one set of tensor ops (``_key_chunks``): parameters × updates, at
+most this many (or one parameter), so a pass's keys take O(KEYS_AT_ONCE + K) memory."""
+
+
+def _key_chunks(halves: torch.Tensor, count: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Parameters 0 .. count − 1's key pairs on the halves' device, a chunk of parameters at
+    a time: (first index, [parameters, ka | kb, update] int32)."""
+    per = max(1, KEYS_AT_ONCE // max(1, halves.shape[0]))
+    for first in range(0, count, per):
+        pairs = rng.params_keys(halves, first, min(per, count - first))
+        # uint32 bit patterns stored as int32 (torch's uint32 support is thin); the kernels bitcast.
+        yield first, torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32).contiguous()
 
 
 DEFAULT_BLOCK = {1: 1024, 2: 4096}
@@ -407,14 +415,16 @@ def apply_triton(
     device = params[0].device
     halves, values = rng.seed_halves(seeds, device=device), coeffs.to(device)
     starts = torch.tensor(edges, dtype=torch.int32).to(device)
-    for p, param in enumerate(params):
-        if param.device != halves.device:
-            halves, values, starts = halves.to(param.device), values.to(param.device), starts.to(param.device)
-        keys = _keys(halves, p)  # derived on the device, one parameter at a time: O(K) memory
-        grid = (triton.cdiv(param.numel(), block),)
-        kernel[grid](
-            param, param.numel(), keys[0], keys[1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
-        )
+    for first, chunk in _key_chunks(halves, len(params)):  # derived on the device, many parameters at once
+        for j, keys in enumerate(chunk):
+            param = params[first + j]
+            if param.device != values.device:
+                values, starts = values.to(param.device), starts.to(param.device)
+            keys = keys.to(param.device)
+            grid = (triton.cdiv(param.numel(), block),)
+            kernel[grid](
+                param, param.numel(), keys[0], keys[1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
+            )
 
 
 def apply(

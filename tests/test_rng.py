@@ -103,5 +103,14 @@ def test_keys_at_once_are_the_definitions_keys() -> None:
     assert rng.param_keys(rng.seed_halves([]), 3).shape == (2, 0)
     with pytest.raises(ValueError, match="seeds"):
         rng.seed_halves([2**64])
-    with pytest.raises(ValueError, match="param_index"):
+    with pytest.raises(ValueError, match="parameter indices"):
         rng.param_keys(halves, 2**32)
+    # many parameters' keys at once: each one's as alone, up to the last index there is
+    for first in (0, 7, 2**32 - 3):
+        many = rng.params_keys(halves, first, 3)
+        assert many.shape == (3, 2, len(seeds))
+        assert all(torch.equal(many[j], rng.param_keys(halves, first + j)) for j in range(3))
+    assert rng.params_keys(halves, 5, 0).shape == (0, 2, len(seeds))
+    for first, count in ((2**32 - 2, 3), (-1, 2)):
+        with pytest.raises(ValueError, match="parameter indices"):
+            rng.params_keys(halves, first, count)
