@@ -81,7 +81,7 @@ def main() -> None:
                         return float(model.loss(x, y).item())
 
                 started = time.perf_counter()
-                gs[name].append(zo.spsa(params, loss, zo.step_seed(5, 0, k), eps))
+                gs[name].append(zo.spsa(params, loss, zo.step_seed(5, 0, k), eps, signs=ZoConfig().signs))
                 seconds[name] += time.perf_counter() - started
         fp32, bf16 = gs["fp32"], gs["bf16"]
         scale = statistics.median(abs(g) for g in fp32)

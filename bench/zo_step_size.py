@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                     step = round_index * args.steps + k
                     x, y = shard.batch(batch_size=args.batch_size, seed=node, step=step)
                     seed = zo.step_seed(1, node, step)
-                    g = zo.spsa(params, lambda x=x, y=y: float(model.loss(x, y)), seed, args.eps)
+                    g = zo.spsa(params, lambda x=x, y=y: float(model.loss(x, y)), seed, args.eps, signs=zo_config.signs)
                     code = zo.encode_g(g, zo_config.g_max) if g == g else 0
                     clipped += (code & 0x7F) == zo.LEVELS
                     updates.append((seed, code))

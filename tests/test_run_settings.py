@@ -76,6 +76,12 @@ def test_a_manifest_without_a_newer_setting_means_what_its_release_did() -> None
     assert settings.decode(msgpack.packb(data)).spes.prefer_owned == 0.0
     assert settings.decode(msgpack.packb(data)).spes.merge_alpha == RunSettings().spes.merge_alpha
     assert settings.decode(RunSettings().encode()) == RunSettings()  # present: as written
+    # zo.signs: version 2 became the default after runs had been made with version 1 and
+    # manifests without the setting; theirs must replay with the generator they trained with
+    data = RunSettings(algorithm="zo").to_dict()
+    del data["zo"]["signs"]
+    assert settings.decode(msgpack.packb(data)).zo.signs == 1
+    assert settings.from_dict(data).zo.signs == RunSettings().zo.signs == 2
 
 
 @pytest.mark.parametrize(

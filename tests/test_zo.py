@@ -73,7 +73,7 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
     for step in range(300):
         x, y = t.shard.batch(batch_size=16, seed=1, step=step)
         seed = zo.step_seed(1, 0, step)
-        g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps)  # type: ignore[misc]
+        g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps, signs=config.signs)  # type: ignore[misc]
         zo.apply_updates(params, [[(seed, zo.encode_g(g, config.g_max))]], config)
     assert t.val_loss() < before - 0.005
 

@@ -119,13 +119,14 @@ class ZoConfig:
     parameter count (training/zo.py ``step_size``: 3e-3 on micro, 1.1e-4 on tiny)."""
     g_max: float = 16.0
     """Largest |g| one byte carries (larger saturates)."""
-    signs: int = 1
+    signs: int = field(default=2, metadata={ABSENT: 1})
     """The perturbation generator (kernels/rng.py): 1, one 32-bit hash per sign; 2, 32 signs
-    per hash. Every node of a run uses the run's. 1 stays the default until version 2 is
-    measured on a GPU: it applies 2.1-2.8× faster on a CPU; its first GPU kernel (bit for
-    bit on an H200) was no faster there, its second takes a fifth of version 1's
-    instructions per element and update in the compiled code (kernels/zo_apply.py) but
-    has not run on a GPU yet (docs/zo.md)."""
+    per hash. Every node of a run uses the run's. 2 by default since 2026-11-27 (a manifest
+    without the setting is from before it and means 1): it applies 2.1-2.8× faster on a
+    CPU, and on an H200 its kernel ran 1.3-4.7× faster than version 1's at K = 8 to 64
+    updates a pass and replayed a gpt-125m log 3.0× faster (22.4k updates/s against 7.4k;
+    docs/performance.md). At K = 1 it was 0.73-0.76× of version 1's, both far under the
+    copy bandwidth there (a call's fixed costs, not the kernel)."""
 
     def __post_init__(self) -> None:
         _check(self.signs in (1, 2), f"zo.signs: must be 1 or 2, got {self.signs!r}")

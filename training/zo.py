@@ -83,7 +83,7 @@ Loss = Callable[[], float]
 
 
 @torch.no_grad()
-def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float, *, signs: int = 1) -> float:
+def spsa(params: Sequence[torch.Tensor], loss: Loss, seed: int, eps: float, *, signs: int) -> float:
     """g = (L(θ + εz) − L(θ − εz)) / 2ε, z of generator ``signs``; the parameters end
     exactly as they began."""
     kept = [p.detach().clone() for p in params]
