@@ -13,7 +13,8 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 
@@ -33,6 +34,35 @@ STRICT_ENV = "SWARMTRAIN_STRICT"
 MAX_SESSION_ERRORS_IN_A_ROW = 5
 
 
+class WorkerProcess(Protocol):
+    """What the supervisor needs of a running worker process (``trio.Process`` is one)."""
+
+    @property
+    def stdin(self) -> trio.abc.SendStream | None: ...
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream | None: ...
+    def poll(self) -> int | None: ...
+    async def wait(self) -> int: ...
+    def kill(self) -> None: ...
+
+
+async def start_worker_process(config_json: str, log_path: str | Path | None) -> WorkerProcess:
+    """The worker as a new interpreter, ``python -m training.worker CONFIG``: commands on
+    its stdin, replies on its stdout, its log appended to ``log_path`` (else our stderr)."""
+    command = [sys.executable, "-m", "training.worker", config_json]
+    stderr = open(log_path, "ab") if log_path else None  # noqa: ASYNC230, SIM115
+    try:
+        return await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+    finally:
+        if stderr is not None:
+            stderr.close()
+
+
+START_WORKER: Callable[[str, str | Path | None], Awaitable[WorkerProcess]] = start_worker_process
+"""How the supervisor starts a worker. The test suite forks them instead from a server that
+has imported torch (tests/forked_workers.py): the same worker, ~2.5 s of CPU less a start."""
+
+
 class WorkerGone(Exception):
     """The worker exited or broke its protocol; the supervisor will start another."""
 
@@ -45,7 +75,7 @@ class RestartWorker(WorkerGone):
 class WorkerConnection:
     """One running worker: its messages in, commands out, and its shared-memory blocks."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: WorkerProcess) -> None:
         self.process = process
         self._buffer = b""
         self.outbox: shared_memory.SharedMemory | None = None
@@ -270,15 +300,7 @@ class Supervisor:
         """One worker's life; True if it finished its rounds."""
         if self.before_start is not None:
             await self.before_start()
-        command = [sys.executable, "-m", "training.worker", self.config.to_json()]
-        stderr = open(self._log_path, "ab") if self._log_path else None  # noqa: ASYNC230, SIM115
-        try:
-            process = await trio.lowlevel.open_process(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
-            )
-        finally:
-            if stderr is not None:
-                stderr.close()
+        process = await START_WORKER(self.config.to_json(), self._log_path)
         connection = WorkerConnection(process)
         try:
             ready = await connection.receive()

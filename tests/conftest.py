@@ -16,13 +16,23 @@ from node import config as config_module
 from node.daemon import Daemon
 from node.supervisor import STRICT_ENV
 from node.waiting import until
+from tests.forked_workers import forget_gate, use_forked_workers
 
 # A bug in a training session fails the test (it would restart the session in a daemon).
 os.environ[STRICT_ENV] = "1"
+# In-process daemons fork their workers from a server that has imported torch (~2.5 s of
+# CPU less a worker start; tests/forked_workers.py). CLI tests' daemons start theirs as usual.
+use_forked_workers()
 
 # Hypothesis' per-example deadline is a timing assertion, and these machines are noisy.
 settings.register_profile("swarmtrain", deadline=None)
 settings.load_profile("swarmtrain")
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_gate_left() -> Iterator[None]:
+    yield
+    forget_gate()
 
 
 @pytest.fixture

@@ -1,7 +1,5 @@
 """The worker as a real process, driven over its control pipe with shared-memory payloads."""
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +8,7 @@ import torch
 import trio
 
 from node.supervisor import WorkerConnection, attach_block
+from tests.forked_workers import start_forked_worker
 from training import checkpoint
 from training.settings import InnerConfig, OuterConfig, RunSettings
 from training.worker_config import WorkerConfig
@@ -31,9 +30,9 @@ async def start_worker(
         outer=OuterConfig(overlap=overlap),
     )
     worker_config = WorkerConfig(run=run, **{"model_overrides": SMALL_MODEL, **config})
-    command = [sys.executable, "-m", "training.worker", worker_config.to_json()]
-    process = await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    return WorkerConnection(process)
+    # As the suite's daemons start theirs: forked from a server that has imported torch
+    # (tests/forked_workers.py; the CLI tests start it as `python -m training.worker`).
+    return WorkerConnection(await start_forked_worker(worker_config.to_json(), None))
 
 
 async def receive(worker: WorkerConnection) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from node.algorithms.noloco.pairing import Pairing
 from node.daemon import Daemon
 from node.supervisor import WorkerConnection
 from tests.conftest import Swarm, wait_until
+from tests.forked_workers import start_together
 
 # Training progress raises no event a test can wait on: besides every state and peer
 # change, the condition is looked at again this often.
@@ -24,6 +25,7 @@ async def start_trainers(swarm: Swarm, num_nodes: int, training: dict[str, Any],
     boot = await swarm.start("boot", role="bootstrap")
     assert boot.host is not None
     addr = boot.host.addrs()[0]
+    start_together(num_nodes)  # their workers (tests/forked_workers.py)
     creator = await swarm.start("n0", network__bootstrap=[addr], run__new_run=run_name, **training)
     assert creator.run_service is not None
     run_id = creator.run_service.state.run_id
