@@ -9,7 +9,9 @@ with its commands on stdin, replies on stdout and log on stderr, killed and reap
 before. The daemons of the CLI tests (their own processes) start theirs as a user's do
 (``node.supervisor.start_worker_process``).
 
-In the child, before the worker runs: its own resource tracker (a fork server's child
+The server's environment is the suite's when the first worker started: a test's
+``monkeypatch.setenv`` does not reach workers (none reads one: training/ reads no
+environment variable). In the child, before the worker runs: its own resource tracker (a fork server's child
 shares its parent's, which would keep the worker's shared memory until the suite ends and
 see the daemon's unregistering of an attached block as the worker's).
 """
@@ -20,6 +22,7 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import threading
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -30,8 +33,15 @@ from node import supervisor
 _CONTEXT = multiprocessing.get_context("forkserver")
 # node.simulate.children sets its own list when imported; this one is set right before the
 # server starts (the list a running server was started with is the one it keeps).
-PRELOAD = ["torch", "torch._dynamo", "training.worker"]
+PRELOAD = ["torch", "torch._dynamo", "training.worker", "tests.forked_workers"]
 _started = False
+# multiprocessing reads a child's exit status from its sentinel once: Process.start (in a
+# thread: it polls every live child) and poll/wait on the loop must not read it at once (the
+# loser gets 255).
+_status_lock = threading.Lock()
+# A gate that has not filled by then is a test's mistake (a node that never asks for a
+# worker: refused the run, or trains nothing), said as such.
+GATE_TIMEOUT_S = 120.0
 
 
 class _Gate:
@@ -49,6 +59,7 @@ def start_together(count: int) -> None:
     start. Without it the first node trained micro rounds of ~0.1 s alone while the others
     still joined the run, and they then waited for its state mid-round (~15 s)."""
     global _gate
+    assert _gate is None, "a gate is already waiting for workers"
     _gate = _Gate(count)
 
 
@@ -66,7 +77,7 @@ def _child(config_json: str, commands: multiprocessing.connection.Connection,
         os.close(tracker._fd)
     tracker._fd = tracker._pid = None  # the first block the worker makes starts its own
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    sys.stdin.close()  # the /dev/null the fork server's child opened (it may hold fd 0)
+    sys.stdin.close()  # the /dev/null object the child's bootstrap put there
     os.dup2(commands.fileno(), 0)
     sys.stdout.flush()
     os.dup2(replies.fileno(), 1)
@@ -97,27 +108,30 @@ class ForkedWorker:
         return self._process.pid
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        with _status_lock:
+            return self._process.exitcode
 
     async def wait(self) -> int:
-        if self._process.exitcode is None:
+        if self.poll() is None:
             await trio.lowlevel.wait_readable(self._process.sentinel)
-        self._process.join()
-        code = self._process.exitcode
+        with _status_lock:
+            self._process.join()
+            code = self._process.exitcode
         assert code is not None
         return code
 
     def kill(self) -> None:
-        if self._process.exitcode is None and self._process.pid is not None:
+        if self.poll() is None and self._process.pid is not None:
             os.kill(self._process.pid, signal.SIGKILL)
 
 
 def _start(process: multiprocessing.process.BaseProcess) -> None:
     global _started
-    if not _started:
-        _CONTEXT.set_forkserver_preload(PRELOAD)
-        _started = True
-    process.start()
+    with _status_lock:
+        if not _started:
+            _CONTEXT.set_forkserver_preload(PRELOAD)
+            _started = True
+        process.start()
 
 
 async def start_forked_worker(config_json: str, log_path: str | Path | None) -> ForkedWorker:
@@ -129,7 +143,10 @@ async def start_forked_worker(config_json: str, log_path: str | Path | None) -> 
         if gate.waiting_for <= 0:
             _gate = None
             gate.open.set()
-        await gate.open.wait()
+        with trio.move_on_after(GATE_TIMEOUT_S):
+            await gate.open.wait()
+        if not gate.open.is_set():
+            raise AssertionError(f"start_together: {gate.waiting_for} of its workers were never asked for")
     commands_r, commands_w = os.pipe()
     replies_r, replies_w = os.pipe()
     commands = multiprocessing.connection.Connection(commands_r, writable=False)

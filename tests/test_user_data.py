@@ -10,6 +10,7 @@ from node.errors import ConfigError
 from node.training import data_for_run
 from tests.adversarial.harness import finished, micro_noloco, until
 from tests.conftest import node_config, open_swarm
+from tests.forked_workers import start_together
 from training import corpus, settings
 from training.settings import RunSettings
 
@@ -55,6 +56,7 @@ async def test_trainers_with_the_runs_files_train_on_them_and_others_do_not(shor
         boot = await swarm.start("boot", role="bootstrap")
         assert boot.host is not None
         addr = boot.host.addrs()[0]
+        start_together(2)  # the creator's and the joiner's workers (the outsider trains nothing)
         creator = await swarm.start(
             "creator", network__bootstrap=[addr], run__new_run="data", training__data=str(texts), **TRAINING
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 import trio
 
+from node import supervisor
 from node.supervisor import WorkerConnection, attach_block
 from tests.forked_workers import start_forked_worker
 from training import checkpoint
@@ -18,7 +19,13 @@ TIMEOUT_S = 120.0
 
 
 async def start_worker(
-    *, algorithm: str, rounds: int, model: str = "tiny", overlap: float = 0.5, **config: Any
+    *,
+    algorithm: str,
+    rounds: int,
+    model: str = "tiny",
+    overlap: float = 0.5,
+    interpreter_log: Path | None = None,
+    **config: Any,
 ) -> WorkerConnection:
     """A real worker process, spoken to through the daemon's own connection class (5 steps a
     round: with the default overlap, the outer step lands after 2 of the next round's)."""
@@ -31,7 +38,11 @@ async def start_worker(
     )
     worker_config = WorkerConfig(run=run, **{"model_overrides": SMALL_MODEL, **config})
     # As the suite's daemons start theirs: forked from a server that has imported torch
-    # (tests/forked_workers.py; the CLI tests start it as `python -m training.worker`).
+    # (tests/forked_workers.py). With ``interpreter_log``: as a user's daemon starts it, a
+    # new interpreter (`python -m training.worker`) logging there, whose exit (which a fork
+    # skips: it ends in os._exit) the test can check.
+    if interpreter_log is not None:
+        return WorkerConnection(await supervisor.start_worker_process(worker_config.to_json(), interpreter_log))
     return WorkerConnection(await start_forked_worker(worker_config.to_json(), None))
 
 
@@ -177,13 +188,20 @@ async def test_rounds_the_daemon_says_to_skip_are_left_out_but_never_the_last(tm
         assert await worker.process.wait() == 0
 
 
-async def test_the_worker_exits_quietly_when_its_daemon_goes_away() -> None:
-    worker = await start_worker(algorithm="local", rounds=5)
+@pytest.mark.parametrize("started", ["as a new interpreter", "forked"])
+async def test_the_worker_exits_quietly_when_its_daemon_goes_away(tmp_path: Path, started: str) -> None:
+    """Also as a user's daemon starts it: a thread blocked reading a buffered stdin at the
+    interpreter's exit aborts it (exit code 134, "Fatal Python error"), which a forked
+    worker's os._exit would not show."""
+    log = tmp_path / "worker.log" if started == "as a new interpreter" else None
+    worker = await start_worker(algorithm="local", rounds=5, interpreter_log=log)
     await receive(worker)
     assert worker.process.stdin is not None
     await worker.process.stdin.aclose()
     with trio.fail_after(TIMEOUT_S):
         assert await worker.process.wait() == 0
+    if log is not None:
+        assert "Traceback" not in log.read_text() and "Fatal" not in log.read_text()
 
 
 def test_worker_config_is_validated() -> None:
@@ -319,10 +337,18 @@ def test_the_device_setting_resolves_to_where_this_torch_can_train(caplog: pytes
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 @pytest.mark.parametrize("algorithm", ["local", "noloco", "diloco", "zo"])
-async def test_every_algorithms_worker_trains_a_round_on_cuda(algorithm: str) -> None:
+async def test_every_algorithms_worker_trains_a_round_on_cuda(tmp_path: Path, algorithm: str) -> None:
     """The worker on the GPU: ready names the device, a round's steps run (ZO once handed a
-    host batch to the GPU model and crashed)."""
-    worker = await start_worker(algorithm=algorithm, rounds=1, model="micro", model_overrides={}, device="cuda:0")
+    host batch to the GPU model and crashed). Started as a user's daemon starts it (a new
+    interpreter): CUDA is initialized by the worker itself either way."""
+    worker = await start_worker(
+        algorithm=algorithm,
+        rounds=1,
+        model="micro",
+        model_overrides={},
+        device="cuda:0",
+        interpreter_log=tmp_path / "worker.log",
+    )
     ready = await receive(worker)
     assert ready["t"] == "ready" and ready["device"] == "cuda:0"
     if algorithm == "zo":
