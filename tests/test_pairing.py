@@ -497,6 +497,24 @@ async def test_a_peer_far_from_its_next_boundary_says_so_and_is_not_waited_for()
         assert pa.lag == MAX_LAG and pa.vouched_lag == 0
 
 
+async def test_a_node_waiting_for_a_peers_state_says_never_and_is_not_waited_for() -> None:
+    """A joiner (or a resync) fetches a peer's state after that peer's next boundary: asked
+    meanwhile, it says "never", and the asker goes on. It said "later" (it had no rounds to
+    judge by), and a lone trainer at its boundary asked it until its sweep ended while the
+    joiner waited for that very boundary (~15 s in tests of 0.1 s rounds)."""
+    async with nodes(2) as group:
+        (_, pa), (b, pb) = group
+        box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
+        pb.joining = True
+        with trio.fail_after(60):  # without the answer, it asks until its bound: 600 s
+            assert await pa.find_partner(3, *box, [b.peer_id], timeout_s=600) is None
+        assert pa.lag == 0  # its round (none yet) is no lead
+        pb.joining = False  # its worker started from the state: no rounds to judge by, so "later"
+        with trio.move_on_after(2) as asked_on:
+            await pa.find_partner(4, *box, [b.peer_id], timeout_s=600)
+        assert asked_on.cancelled_caught
+
+
 def test_a_rounds_computing_time_and_next_boundary_leave_out_waits_to_pair() -> None:
     """Rounds of 13 s of steps, half of them taken while pairing (overlap 0.5): a pairing
     within those steps hides in the round, a longer one pushes the boundary by its excess."""

@@ -192,6 +192,10 @@ class PayloadRounds:
         """Our rounds' time, boundary to boundary (None: not known; NoLoCo's pairing measures it)."""
         return None
 
+    def joining(self, waiting: bool) -> None:
+        """We wait (or waited) for a peer's state to start from (``_join``): NoLoCo's pairing
+        then tells askers we will not be at their round."""
+
     async def _join(self) -> str | None:
         """The worker built its model and has no checkpoint of its own: if we start late, a
         peer's state at the run's round to start from (node/algorithms/joining.py), fetched
@@ -202,9 +206,13 @@ class PayloadRounds:
         dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
         # A resync: we trained with them a moment ago, and know how long our rounds take.
         wait_s = BOUNDARY_WAIT_S if self._own_aside is None else resync_wait_s(self.round_time_s(), self._offer_gap_s)
-        fetched = await self.states.join(
-            self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
-        )
+        self.joining(True)
+        try:
+            fetched = await self.states.join(
+                self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
+            )
+        finally:
+            self.joining(False)
         if fetched is None and self._own_aside is not None:
             logger.warning("no peer offers its state: going on from our own (%s)", self._own_aside)
             fetched = self._own_aside

@@ -65,6 +65,9 @@ class Noloco(PayloadRounds):
     def ready(self, worker: WorkerConnection) -> None:
         self.pairing.worker_started()
 
+    def joining(self, waiting: bool) -> None:
+        self.pairing.joining = waiting
+
     def overlap_share(self) -> float:
         """The share of a round's steps our worker takes while we pair (training/algorithms/
         noloco.py runs its rounds overlapped; SPES's worker waits at each boundary)."""

@@ -116,6 +116,7 @@ RETRY_PAUSE_S = (0.05, 0.3)
 # The "busy" reason of a node that is itself asking someone, and the backoff after one: up
 # to this many times our recent question time (an average), so a node asks a quarter or
 # less of the time it waits at a boundary however slow questions get.
+JOINING = "joining: starting from a peer's state"
 ASKING = "asking someone"
 BACKOFF_TIMES_ASK = 6.0
 ASK_TIME_WEIGHT = 0.2
@@ -320,6 +321,10 @@ class Pairing:
         self._short = 1.0
         """The share of a round's steps our worker takes this round: under 1 when shortened
         (``caught_up``), for when we expect our boundary and for the round's time samples."""
+        self.joining = False
+        """We wait for a peer's state to start from, at a round after its next boundary: an
+        asker hears "never" (with "later", a lone trainer at its boundary asked us until its
+        sweep ended while we waited for that very boundary: ~15 s in a test of 0.1 s rounds)."""
 
     @property
     def round_s(self) -> float | None:
@@ -672,6 +677,8 @@ class Pairing:
         elif current is None:
             if self._last_round >= round_index:
                 verdict = ("never", "past that round")
+            elif self.joining:
+                verdict = ("never", JOINING)
             elif self._near(round_index):
                 verdict = ("later", "computing")
             else:
