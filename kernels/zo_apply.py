@@ -413,8 +413,9 @@ def apply_triton(
     kernel = _apply_kernel if version == 1 else _apply_v2_kernel
     warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
-    halves, values = rng.seed_halves(seeds, device=device), coeffs.to(device)
-    starts = torch.tensor(edges, dtype=torch.int32).to(device)
+    # Uploads without a wait (``rng.upload``): the launches queue behind the last call's.
+    halves, values = rng.seed_halves(seeds, device=device), rng.upload(coeffs, device)
+    starts = rng.upload(torch.tensor(edges, dtype=torch.int32), device)
     for first, chunk in _key_chunks(halves, len(params)):  # derived on the device, many parameters at once
         for j, keys in enumerate(chunk):
             param = params[first + j]
