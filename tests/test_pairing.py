@@ -767,6 +767,8 @@ async def test_a_workers_restart_is_not_taken_for_a_round() -> None:
         box = (memoryview(bytearray(NBYTES)), memoryview(bytearray(NBYTES)))
         pa._round_s, pa._compute_s, pa._last_round = 1.0, 1.0, 4
         pa._boundary_at = pa._paired_at = trio.current_time() - 30.0
+        pa.joining = True  # started from a peer's state: joining no more
         pa.worker_started()
+        assert not pa.joining
         assert await pa.find_partner(5, *box, [], timeout_s=10) is None
         assert pa.round_s == 1.0 and pa._compute_s == 1.0

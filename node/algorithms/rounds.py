@@ -150,6 +150,7 @@ class PayloadRounds:
         inbox = self.inbox()
         self.states.register()
         self._late = await self._anyone_ahead()
+        self.joining(self._late)  # from now: our worker builds its model before ``_join``
         async with trio.open_nursery() as nursery:
             if inbox is not None:
                 channel = DataChannel(*self.ctx.listen_ips)
@@ -193,21 +194,24 @@ class PayloadRounds:
         return None
 
     def joining(self, waiting: bool) -> None:
-        """We wait (or waited) for a peer's state to start from (``_join``): NoLoCo's pairing
-        then tells askers we will not be at their round."""
+        """We will start from a peer's state, or no longer (from when we know we are late, or
+        resync, until ``_join`` ends): NoLoCo's pairing then tells askers we will not be at
+        their round."""
 
     async def _join(self) -> str | None:
         """The worker built its model and has no checkpoint of its own: if we start late, a
         peer's state at the run's round to start from (node/algorithms/joining.py), fetched
         now that the worker is ready for it, at the peers' next round boundary, so the
         joiner starts as close behind them as it can; else None (round 0)."""
-        if not self._late or self.ctx.checkpoint_dir is None:
-            return None
-        dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
-        # A resync: we trained with them a moment ago, and know how long our rounds take.
-        wait_s = BOUNDARY_WAIT_S if self._own_aside is None else resync_wait_s(self.round_time_s(), self._offer_gap_s)
-        self.joining(True)
         try:
+            if not self._late or self.ctx.checkpoint_dir is None:
+                return None
+            dest = self.ctx.checkpoint_dir / f"{self.ctx.state.run_id}.joined.ckpt"
+            # A resync: we trained with them a moment ago, and know how long our rounds take.
+            wait_s = (
+                BOUNDARY_WAIT_S if self._own_aside is None else resync_wait_s(self.round_time_s(), self._offer_gap_s)
+            )
+            self.joining(True)
             fetched = await self.states.join(
                 self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
             )
@@ -237,6 +241,7 @@ class PayloadRounds:
             return
         self._aside_reason = reason
         self.resyncs += 1
+        self.joining(True)  # from now: the worker stops and starts again before ``_join``
         raise RestartWorker(f"our weights drifted from our peers' ({reason}): taking a peer's state")
 
     def _state_sources(self) -> list[str]:

@@ -322,9 +322,10 @@ class Pairing:
         """The share of a round's steps our worker takes this round: under 1 when shortened
         (``caught_up``), for when we expect our boundary and for the round's time samples."""
         self.joining = False
-        """We wait for a peer's state to start from, at a round after its next boundary: an
-        asker hears "never" (with "later", a lone trainer at its boundary asked us until its
-        sweep ended while we waited for that very boundary: ~15 s in a test of 0.1 s rounds)."""
+        """We will start from a peer's state (a joiner from its start, a resync from its
+        decision), at a round after its next boundary: an asker hears "never" (with "later",
+        a lone trainer at its boundary asked us until its sweep ended while we waited for
+        that very boundary: ~15 s in a test of 0.1 s rounds)."""
 
     @property
     def round_s(self) -> float | None:
@@ -464,6 +465,7 @@ class Pairing:
         self._boundary_at = None
         self._short = 1.0
         self._leads.clear()
+        self.joining = False  # started: from a peer's state, or ours (``_join`` clears it too)
 
     async def _await_payload(self, current: _Round) -> bool:
         """Until the partner's payload is in; False (and the partner penalized and dropped)
