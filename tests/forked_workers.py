@@ -1,8 +1,8 @@
 """Workers forked from a server that has imported torch: the suite's way of starting them.
 
-A worker started as ``python -m training.worker`` spends ~2.5 s of CPU before its first
-step, ~1 s importing torch and ~1.4 s importing ``torch._dynamo`` (torch.optim imports it
-at the first ``add_param_group`` and ``step``, compiled or not). The suite starts a few
+A worker started as ``python -m training.worker`` spends 2-2.5 s of CPU before its first
+step, ~1.1 s importing torch and 1.1-1.4 s importing ``torch._dynamo`` (torch.optim imports
+it at the first ``add_param_group`` and ``step``, compiled or not). The suite starts a few
 hundred workers on 2 cores. ``multiprocessing``'s fork server imports those once and forks
 each worker from it: still its own OS process, running the same ``training.worker.main``
 with its commands on stdin, replies on stdout and log on stderr, killed and reaped as
@@ -10,8 +10,8 @@ before. The daemons of the CLI tests (their own processes) start theirs as a use
 (``node.supervisor.start_worker_process``).
 
 The server's environment is the suite's when the first worker started: a test's
-``monkeypatch.setenv`` does not reach workers (none reads one: training/ reads no
-environment variable). In the child, before the worker runs: its own resource tracker (a fork server's child
+``monkeypatch.setenv`` does not reach workers (training/ reads no environment variable).
+In the child, before the worker runs: its own resource tracker (a fork server's child
 shares its parent's, which would keep the worker's shared memory until the suite ends and
 see the daemon's unregistering of an attached block as the worker's).
 """
@@ -57,7 +57,7 @@ def start_together(count: int) -> None:
     """The next ``count`` workers asked for start once the last of them is asked. The
     trainers of a test then begin together, as they did when each worker took seconds to
     start. Without it the first node trained micro rounds of ~0.1 s alone while the others
-    still joined the run, and they then waited for its state mid-round (~15 s)."""
+    still joined the run, which the tests' assertions (trained together) do not expect."""
     global _gate
     assert _gate is None, "a gate is already waiting for workers"
     _gate = _Gate(count)
