@@ -24,8 +24,8 @@ reference's bits: torch has no unsigned 32-bit multiply, so the reference splits
 16-bit halves on int64 (a hash of 1 M indices: 24 ms in torch, 1.5 ms in NumPy, one
 thread). ``apply_triton`` runs the fused GPU kernels: one read and one write of θ whatever K
 is, z generated in registers (kernels/rng.py's definitions in uint32), the keys of every
-(seed, parameter) derived on the device (``rng.params_keys``, many parameters at once: no Python loop per update),
-the seeds uploaded once a call. Version 1's kernel makes one hash per element and update;
+(seed, parameter) derived on the device (``rng.params_keys``, many parameters at once: no
+Python loop per update), the seeds uploaded once a call. Version 1's kernel makes one hash per element and update;
 version 2's one per word of 32 elements, in the one thread that holds the word.
 
 What is checked where:

@@ -116,10 +116,11 @@ RETRY_PAUSE_S = (0.05, 0.3)
 # The "busy" reason of a node that is itself asking someone, and the backoff after one: up
 # to this many times our recent question time (an average), so a node asks a quarter or
 # less of the time it waits at a boundary however slow questions get.
-JOINING = "joining: starting from a peer's state"
 ASKING = "asking someone"
 BACKOFF_TIMES_ASK = 6.0
 ASK_TIME_WEIGHT = 0.2
+# The "never" reason of a node that will start from a peer's state (``Pairing.joining``).
+JOINING = "joining: starting from a peer's state"
 # The end of the pairing bound kept for a pull (at most a quarter of the bound).
 PULL_RESERVE_S = 5.0
 # A node asked to pair for the round after its last boundary answers "later" only when it
