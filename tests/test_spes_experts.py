@@ -2,6 +2,7 @@
 sizes, and what a hostile holder can and cannot make us take."""
 
 import hashlib
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,8 +13,11 @@ import trio
 from node.algorithms.spes import experts
 from node.algorithms.spes.experts import ExpertStore, Head, parse_head, sign_head
 from protocol import keys, wire
-from protocol.errors import BadMessage, ProtocolError
+from protocol.errors import BadMessage, ProtocolError, StreamError
+from protocol.net import data_channel
+from protocol.net.data_channel import DataChannel
 from protocol.net.host import Host, Stream, open_host, parse_dial_addr
+from tests.fakenet import FakeNetwork, FakeStream, Faults
 from training.encodings import expert_versions
 from training.encodings.experts import Chain
 
@@ -145,6 +149,184 @@ async def test_a_holder_gives_nothing_of_another_run_or_a_version_it_does_not_ho
             fetcher = ExpertStore(b, RUN)
             fetcher.configure(4, NBYTES)
             assert await fetcher.fetch(a.peer_id, stale) is False
+
+
+@asynccontextmanager
+async def direct_stores(a: Host, b: Host) -> AsyncIterator[tuple[ExpertStore, ExpertStore]]:
+    """``stores`` whose fetcher offers its data channel (the owner serves over it)."""
+    channel = DataChannel("127.0.0.1", per_peer=experts.MAX_PARALLEL_FETCHES)
+    owner, fetcher = ExpertStore(a, RUN), ExpertStore(b, RUN, channel=channel)
+    for store in (owner, fetcher):
+        store.configure(4, NBYTES)
+        store.register()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(channel.run)
+        yield owner, fetcher
+        nursery.cancel_scope.cancel()
+
+
+async def test_versions_come_over_the_askers_data_channel_where_it_can_be_reached() -> None:
+    async with two_hosts() as (a, b), direct_stores(a, b) as (owner, fetcher):
+        first, second = bytes([7]) * NBYTES, bytes(range(256)) * (NBYTES // 256)
+        heads = [owner.publish(SEED_A, 1, 3, first), owner.publish(SEED_A, 2, 3, second)]
+        with trio.fail_after(TIMEOUT_S):
+            await fetcher.sync_once([a.peer_id], lambda h: True)  # both at once: two pending on one peer
+        assert [fetcher.held[e].data for e in (1, 2)] == [first, second]
+        assert [fetcher.held[e].head for e in (1, 2)] == heads
+        assert fetcher.direct_received == 2 and owner.bytes_sent == fetcher.bytes_received == 2 * NBYTES
+        # Behind a NAT nobody can open a connection to us: the bytes take the stream.
+        b.nat.status.reachability = "private"
+        third = owner.publish(SEED_A, 3, 3, first)
+        with trio.fail_after(TIMEOUT_S):
+            assert await fetcher.fetch(a.peer_id, third) is True
+        assert fetcher.held[3].data == first and fetcher.direct_received == 2
+
+
+async def test_bytes_over_the_data_channel_that_do_not_hash_as_signed_are_refused_and_cost_the_holder() -> None:
+    async with two_hosts() as (a, b), direct_stores(a, b) as (_, fetcher):
+        head = sign_head(SEED_A, RUN, 0, 5, bytes([1]) * NBYTES)
+
+        async def lying(stream: Stream) -> None:
+            request = await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
+            assert request["direct"] is True
+            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+            go = await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096)
+            await data_channel.send("127.0.0.1", go["port"], go["token"], memoryview(bytes([2]) * NBYTES))
+
+        a.set_handler(experts.PROTOCOL_ID, lying)
+        with trio.fail_after(TIMEOUT_S), pytest.raises(BadMessage, match="hash"):
+            await fetcher.fetch(a.peer_id, head)
+        assert 0 not in fetcher.held and fetcher.direct_received == 1
+        assert b.peers.penalty(a.peer_id) > 0
+
+
+async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_it_is_refused() -> None:
+    async with two_hosts() as (a, b):
+        _, fetcher = stores(a, b)  # no channel: it offers none
+        head = sign_head(SEED_A, RUN, 0, 5, bytes(NBYTES))
+
+        async def pushing(stream: Stream) -> None:
+            request = await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
+            assert request["direct"] is False
+            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+            await trio.sleep_forever()
+
+        a.set_handler(experts.PROTOCOL_ID, pushing)
+        with trio.fail_after(TIMEOUT_S), pytest.raises(BadMessage, match="did not offer"):
+            await fetcher.fetch(a.peer_id, head)
+        assert b.peers.penalty(a.peer_id) > 0
+
+
+@pytest.mark.parametrize("go", [{"port": 0, "token": b"x"}, {"port": 1 << 16, "token": b"x"}, {"port": 1}])
+async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict[str, object]) -> None:
+    async with two_hosts() as (a, b), direct_stores(a, b) as (owner, fetcher):
+        data = bytes([5]) * NBYTES
+        head = owner.publish(SEED_A, 0, 1, data)
+        with trio.fail_after(TIMEOUT_S):
+            stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
+            request = {"run": RUN, "expert": 0, "sha256": head.sha256, "direct": True}
+            await wire.send(stream, "get", experts.VERSION, request)
+            reply = await wire.receive(
+                stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
+            )
+            assert reply["direct"] is True
+            await wire.send(stream, "go", experts.VERSION, go)
+            with pytest.raises(StreamError):  # the holder gives up on us: the stream ends
+                await stream.read_exact(1)
+            assert a.peers.penalty(b.peer_id) > 0 and owner.bytes_sent == 0
+            assert await fetcher.fetch(a.peer_id, head) is True  # and serves the next asker
+        assert fetcher.held[0].data == data
+
+
+@asynccontextmanager
+async def syncing(fetcher: ExpertStore, peers: list[str], answers: int) -> AsyncIterator[list[str]]:
+    """``fetcher`` syncing from ``peers`` until they answered ``answers`` times in all (the
+    list of who answered, in order)."""
+    answered: list[str] = []
+    enough = trio.Event()
+    take_heads = fetcher.take_heads
+
+    def noted(peer_id: str, reply: dict[str, object]) -> tuple[int, list[Head]]:
+        answer = take_heads(peer_id, reply)
+        answered.append(peer_id)
+        if len(answered) >= answers:
+            enough.set()
+        return answer
+
+    fetcher.take_heads = noted  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetcher.sync_forever, lambda: peers, lambda h: True)
+        with trio.fail_after(TIMEOUT_S):
+            await enough.wait()
+        yield answered
+        nursery.cancel_scope.cancel()
+
+
+async def test_heads_are_asked_again_and_again_on_one_stream() -> None:
+    """Opening a libp2p stream costs ~5 ms of CPU, an ask on an open one ~1 ms."""
+    async with two_hosts() as (a, b):
+        owner, fetcher = stores(a, b)
+        owner.publish(SEED_A, 1, 3, bytes([7]) * NBYTES)
+        sessions = 0
+        serve_session = owner._serve_session
+
+        async def counted(stream: Stream) -> None:
+            nonlocal sessions
+            sessions += 1
+            await serve_session(stream)
+
+        a.set_handler(experts.HEADS_PROTOCOL_ID, counted, deadline_s=3600.0)
+        async with syncing(fetcher, [a.peer_id], answers=4) as answered:
+            assert answered[:4] == [a.peer_id] * 4 and sessions == 1
+        assert fetcher.held[1].data == bytes([7]) * NBYTES
+
+
+async def test_a_holder_without_heads_sessions_is_asked_a_stream_an_ask() -> None:
+    """A holder of the release before sessions serves only ``heads?`` on the experts protocol."""
+    async with two_hosts() as (a, b):
+        owner, fetcher = ExpertStore(a, RUN), ExpertStore(b, RUN)
+        for store in (owner, fetcher):
+            store.configure(4, NBYTES)
+        fetcher.register()
+        a.set_handler(experts.PROTOCOL_ID, owner._serve)  # and nothing else, as before sessions
+        owner.publish(SEED_A, 1, 3, bytes([7]) * NBYTES)
+        async with syncing(fetcher, [a.peer_id], answers=2) as answered:
+            assert answered[:2] == [a.peer_id] * 2
+        assert a.peer_id in fetcher._sessionless and fetcher.held[1].data == bytes([7]) * NBYTES
+
+
+async def test_a_heads_session_is_answered_no_faster_than_its_bound_and_one_a_peer(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer asking as fast as it can, on as many sessions as it likes, costs a holder one
+    answer per MIN_ASK_INTERVAL_S."""
+    monkeypatch.setattr(experts, "SESSION_IDLE_S", 3600.0)  # sessions end only as tested here
+    net = FakeNetwork(1, Faults())
+    async with net.running():
+        holder_host, asker = net.add_host(SEED_A), net.add_host(SEED_B)
+        holder = ExpertStore(holder_host, RUN)  # type: ignore[arg-type]  # heads need no more than a HostLike
+        holder.configure(4, NBYTES)
+        holder.register()
+
+        async def ask(stream: FakeStream, times: int) -> list[float]:
+            for _ in range(times):
+                await wire.send(stream, "heads?", experts.VERSION, {"run": RUN})
+            answered = []
+            for _ in range(times):
+                await wire.receive(stream, msg_types=frozenset({"heads"}), version=experts.VERSION, max_nbytes=4096)
+                answered.append(trio.current_time())
+            return answered
+
+        with trio.fail_after(60):
+            first = await asker.open_stream(holder_host.peer_id, experts.HEADS_PROTOCOL_ID, timeout_s=10)
+            answered = await ask(first, 5)
+            # Each answer at least the bound after the last (less the clock's float rounding).
+            assert min(b - a for a, b in itertools.pairwise(answered)) >= experts.MIN_ASK_INTERVAL_S - 1e-9
+            second = await asker.open_stream(holder_host.peer_id, experts.HEADS_PROTOCOL_ID, timeout_s=10)
+            await ask(second, 1)
+            with pytest.raises(StreamError):  # the second session ended the first
+                await ask(first, 1)
+        assert holder_host.peers.penalty(asker.peer_id) == 0
 
 
 SPARSE = expert_versions("sparseloco")
@@ -372,7 +554,8 @@ async def beside_a_hung_peer(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[t
         await b.connect(parse_dial_addr(c.addrs()[0]), timeout_s=10)
         owner, fetcher = stores(a, b)
         owner.publish(SEED_A, 1, 3, bytes([7]) * NBYTES)
-        c.set_handler(experts.PROTOCOL_ID, lambda stream: released.wait(), deadline_s=3600.0)
+        for protocol_id in (experts.PROTOCOL_ID, experts.HEADS_PROTOCOL_ID):
+            c.set_handler(protocol_id, lambda stream: released.wait(), deadline_s=3600.0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fetcher.sync_forever, lambda: [c.peer_id, a.peer_id], lambda h: True)
             yield a, c, fetcher
@@ -387,17 +570,17 @@ async def test_a_peer_whose_asks_hang_keeps_nobody_else_from_being_asked(monkeyp
     asked = 0
     three = trio.Event()
     async with beside_a_hung_peer(monkeypatch) as (a, _, fetcher):
-        heads = fetcher.heads
+        take_heads = fetcher.take_heads
 
-        async def counted(peer_id: str) -> tuple[int, list[Head]]:
+        def counted(peer_id: str, reply: dict[str, object]) -> tuple[int, list[Head]]:
             nonlocal asked
-            answer = await heads(peer_id)
+            answer = take_heads(peer_id, reply)
             asked += peer_id == a.peer_id
             if asked >= 3:
                 three.set()
             return answer
 
-        fetcher.heads = counted  # type: ignore[method-assign]
+        fetcher.take_heads = counted  # type: ignore[method-assign]
         with trio.fail_after(TIMEOUT_S):
             await three.wait()
 

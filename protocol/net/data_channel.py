@@ -54,13 +54,18 @@ class _Pending:
 class DataChannel:
     """The receiving side: a TCP listener and the transfers it expects."""
 
-    def __init__(self, *ips: str) -> None:
+    def __init__(self, *ips: str, per_peer: int = 1) -> None:
         """Listens on each of ``ips`` (the node's listen addresses: an IPv4 and an IPv6 one
         when it listens on both), on one port: a sender connects to the address our libp2p
-        connection to it comes from, and the port we announce."""
+        connection to it comes from, and the port we announce. ``per_peer``: transfers one
+        peer may have pending at once (a round's payload: 1; expert versions fetched from
+        one holder: node/algorithms/spes/experts.py's fan-out cap)."""
         if not ips:
             raise ValueError("a data channel listens on at least one address")
+        if per_peer < 1:
+            raise ValueError(f"per_peer must be >= 1, got {per_peer}")
         self._ips = ips
+        self._per_peer = per_peer
         self._pending: dict[bytes, _Pending] = {}
         self.port = 0
 
@@ -92,11 +97,11 @@ class DataChannel:
     def expect(self, buffer: memoryview, peer_id: str) -> bytes:
         """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present.
 
-        Only authorized transfers get here (protocol/net/exchange.py), one per peer at a time, so
-        a stranger cannot take the slots an expected partner needs.
+        Only authorized transfers get here (protocol/net/exchange.py), at most ``per_peer`` per
+        peer at a time, so a stranger cannot take the slots an expected partner needs.
         """
-        if any(p.peer_id == peer_id for p in self._pending.values()):
-            raise BadMessage(f"{peer_id} already has a transfer pending")
+        if sum(p.peer_id == peer_id for p in self._pending.values()) >= self._per_peer:
+            raise BadMessage(f"{peer_id} already has {self._per_peer} transfer(s) pending")
         if len(self._pending) >= MAX_PENDING:
             raise ProtocolError(f"{MAX_PENDING} transfers already pending")
         token = secrets.token_bytes(TOKEN_NBYTES)

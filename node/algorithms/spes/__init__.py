@@ -27,9 +27,10 @@ import trio
 
 from node.algorithms.base import Context
 from node.algorithms.noloco import Noloco
-from node.algorithms.spes.experts import ExpertStore, Head
+from node.algorithms.spes.experts import MAX_PARALLEL_FETCHES, ExpertStore, Head
 from node.algorithms.spes.leases import LeaseKeeper, Progress, still_training
 from node.supervisor import WorkerConnection, WorkerGone, attach_block, close_block
+from protocol.net.data_channel import DataChannel
 from protocol.net.peers import BAN_POINTS
 from protocol.runstate.state import MAX_EXPERTS
 from training.encodings import expert_versions
@@ -56,7 +57,9 @@ class Spes(Noloco):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit)
+        self.channel = DataChannel(*ctx.listen_ips, per_peer=MAX_PARALLEL_FETCHES)
+        """Where the versions we fetch arrive (experts.py: why not on libp2p streams)."""
+        self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit, channel=self.channel)
         self.versions = expert_versions(ctx.run.compression)
         """How versions travel: float32, int8, or keyframes and deltas (training/encodings/experts.py)."""
         self._chains: dict[int, Chain] = {}
@@ -91,6 +94,7 @@ class Spes(Noloco):
 
     async def serve(self, nursery: trio.Nursery) -> None:
         await super().serve(nursery)
+        await nursery.start(self.channel.run)  # listening before the first fetch offers it
         self.store.register()
         nursery.start_soon(self.store.sync_forever, self.ctx.partners, self._wanted)
 
