@@ -3,6 +3,7 @@
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trio
@@ -196,6 +197,49 @@ async def test_the_data_port_ignores_connections_without_a_valid_token() -> None
         assert ack["ok"] is True
         ((_, got),) = received
         assert bytes(got.data) == BODY
+
+
+@asynccontextmanager
+async def channel_running(**options: Any) -> AsyncIterator[DataChannel]:
+    channel = DataChannel("127.0.0.1", **options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(channel.run)
+        yield channel
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sender_stalling_mid_payload_is_cut_when_its_receiver_gives_up() -> None:
+    """Else the buffer and the socket stay held for as long as the sender likes."""
+    async with channel_running() as channel:
+        token = channel.expect(memoryview(bytearray(len(BODY))), "peer")
+        async with await trio.open_tcp_stream("127.0.0.1", channel.port) as sender:
+            await sender.send_all(token + BODY[:100])  # then nothing more
+            with trio.move_on_after(0.2):  # the receiver's own deadline, short here
+                await channel.wait(token)
+            with trio.fail_after(10):
+                assert await sender.receive_some(1) == b""  # the receiver hung up on it
+        assert channel.expect(memoryview(bytearray(1)), "peer")  # and its slot is free again
+
+
+async def test_a_hashed_channel_takes_the_tokens_hash_not_the_token() -> None:
+    """A receiver picks the token: sent as such, its first bytes would be ones a peer chose."""
+    async with channel_running(hashed=True) as channel:
+        buffer = bytearray(len(BODY))
+        token = channel.expect(memoryview(buffer), "peer")
+        with contextlib.suppress(ProtocolError):  # dropped unread: the channel hangs up
+            await data_channel.send("127.0.0.1", channel.port, token, memoryview(b"\xff" * len(BODY)))
+        await data_channel.send("127.0.0.1", channel.port, data_channel.presented(token), memoryview(BODY))
+        with trio.fail_after(10):
+            await channel.wait(token)
+        assert bytes(buffer) == BODY
+
+
+async def test_a_receiver_waiting_for_a_connection_that_never_comes_gives_up_unjudged() -> None:
+    async with channel_running() as channel:
+        token = channel.expect(memoryview(bytearray(len(BODY))), "peer")
+        with trio.fail_after(10), pytest.raises(ProtocolError, match="no connection within"):
+            await channel.wait(token, connect_timeout_s=0.1)
+        assert channel.expect(memoryview(bytearray(1)), "peer")  # the transfer ended: its slot is free
 
 
 def test_buffer_pool_reuses_buffers_of_the_same_size_up_to_a_cap() -> None:

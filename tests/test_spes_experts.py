@@ -3,6 +3,7 @@ sizes, and what a hostile holder can and cannot make us take."""
 
 import hashlib
 import itertools
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -154,7 +155,7 @@ async def test_a_holder_gives_nothing_of_another_run_or_a_version_it_does_not_ho
 @asynccontextmanager
 async def direct_stores(a: Host, b: Host) -> AsyncIterator[tuple[ExpertStore, ExpertStore]]:
     """``stores`` whose fetcher offers its data channel (the owner serves over it)."""
-    channel = DataChannel("127.0.0.1", per_peer=experts.MAX_PARALLEL_FETCHES)
+    channel = DataChannel("127.0.0.1", per_peer=experts.MAX_PARALLEL_FETCHES, hashed=True)
     owner, fetcher = ExpertStore(a, RUN), ExpertStore(b, RUN, channel=channel)
     for store in (owner, fetcher):
         store.configure(4, NBYTES)
@@ -182,22 +183,50 @@ async def test_versions_come_over_the_askers_data_channel_where_it_can_be_reache
         assert fetcher.held[3].data == first and fetcher.direct_received == 2
 
 
-async def test_bytes_over_the_data_channel_that_do_not_hash_as_signed_are_refused_and_cost_the_holder() -> None:
+async def test_bytes_over_the_data_channel_that_do_not_hash_are_refused_and_the_stream_serves_that_holder() -> None:
+    """The channel's bytes are not authenticated (a tamperer on the path could have changed
+    them): no blame, and the stream, where a bad hash is the holder's own, serves from now."""
     async with two_hosts() as (a, b), direct_stores(a, b) as (_, fetcher):
         head = sign_head(SEED_A, RUN, 0, 5, bytes([1]) * NBYTES)
 
         async def lying(stream: Stream) -> None:
             request = await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
-            assert request["direct"] is True
-            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": request["direct"]})
+            if not request["direct"]:
+                await stream.write(bytes([2]) * NBYTES)
+                return
             go = await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096)
-            await data_channel.send("127.0.0.1", go["port"], go["token"], memoryview(bytes([2]) * NBYTES))
+            forged = memoryview(bytes([2]) * NBYTES)
+            await data_channel.send("127.0.0.1", go["port"], data_channel.presented(go["token"]), forged)
 
         a.set_handler(experts.PROTOCOL_ID, lying)
-        with trio.fail_after(TIMEOUT_S), pytest.raises(BadMessage, match="hash"):
+        with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError, match="data channel do not hash") as refused:
             await fetcher.fetch(a.peer_id, head)
-        assert 0 not in fetcher.held and fetcher.direct_received == 1
-        assert b.peers.penalty(a.peer_id) > 0
+        assert not isinstance(refused.value, BadMessage) and fetcher.direct_received == 1
+        assert 0 not in fetcher.held and b.peers.penalty(a.peer_id) == 0
+        with trio.fail_after(TIMEOUT_S), pytest.raises(BadMessage, match="hash"):  # now on the stream
+            await fetcher.fetch(a.peer_id, head)
+        assert 0 not in fetcher.held and fetcher.direct_received == 1 and b.peers.penalty(a.peer_id) > 0
+
+
+async def test_a_holder_that_cannot_reach_our_data_port_serves_us_on_streams() -> None:
+    """A firewall in front of our data port: the first fetch fails within the connect
+    timeout, blaming nobody, and the versions take streams from then on, both ways."""
+    async with two_hosts() as (a, b), direct_stores(a, b) as (owner, fetcher):
+        data = bytes([3]) * NBYTES
+        head = owner.publish(SEED_A, 0, 2, data)
+        with socket.socket() as closed:  # a port nobody listens on
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        assert fetcher._channel is not None
+        fetcher._channel.port = port  # as a firewall would make it: the holder's dial fails
+        with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError, match="could not reach our data channel"):
+            await fetcher.fetch(a.peer_id, head)  # at once: not after waiting for the connection
+        assert a.peers.penalty(b.peer_id) == 0 and b.peers.penalty(a.peer_id) == 0
+        assert owner._channel_failed(b.peer_id) and fetcher._channel_failed(a.peer_id)
+        with trio.fail_after(TIMEOUT_S):
+            assert await fetcher.fetch(a.peer_id, head) is True
+        assert fetcher.held[0].data == data and fetcher.direct_received == 0
 
 
 async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_it_is_refused() -> None:
@@ -217,7 +246,15 @@ async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_
         assert b.peers.penalty(a.peer_id) > 0
 
 
-@pytest.mark.parametrize("go", [{"port": 0, "token": b"x"}, {"port": 1 << 16, "token": b"x"}, {"port": 1}])
+@pytest.mark.parametrize(
+    "go",
+    [
+        {"port": 1 << 16, "token": bytes(32)},
+        {"port": 80, "token": bytes(32)},  # a port none of ours is: another service's
+        {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n"},  # not a token: bytes of its choosing
+        {"port": 40000},
+    ],
+)
 async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict[str, object]) -> None:
     async with two_hosts() as (a, b), direct_stores(a, b) as (owner, fetcher):
         data = bytes([5]) * NBYTES
@@ -298,8 +335,8 @@ async def test_a_holder_without_heads_sessions_is_asked_a_stream_an_ask() -> Non
 async def test_a_heads_session_is_answered_no_faster_than_its_bound_and_one_a_peer(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A peer asking as fast as it can, on as many sessions as it likes, costs a holder one
-    answer per MIN_ASK_INTERVAL_S."""
+    """A peer asking as fast as it can, on as many sessions or streams as it likes, costs a
+    holder one answer per MIN_ASK_INTERVAL_S."""
     monkeypatch.setattr(experts, "SESSION_IDLE_S", 3600.0)  # sessions end only as tested here
     net = FakeNetwork(1, Faults())
     async with net.running():
@@ -323,9 +360,22 @@ async def test_a_heads_session_is_answered_no_faster_than_its_bound_and_one_a_pe
             # Each answer at least the bound after the last (less the clock's float rounding).
             assert min(b - a for a, b in itertools.pairwise(answered)) >= experts.MIN_ASK_INTERVAL_S - 1e-9
             second = await asker.open_stream(holder_host.peer_id, experts.HEADS_PROTOCOL_ID, timeout_s=10)
-            await ask(second, 1)
+            answered += await ask(second, 1)
             with pytest.raises(StreamError):  # the second session ended the first
                 await ask(first, 1)
+            # Nor do asks a stream each, all at once, get answers faster (the release before
+            # sessions asks so): one slot per peer, whatever the protocol.
+            singles: list[float] = []
+
+            async def single() -> None:
+                stream = await asker.open_stream(holder_host.peer_id, experts.PROTOCOL_ID, timeout_s=10)
+                singles.extend(await ask(stream, 1))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(single)
+            answered = sorted([*answered, *singles])
+            assert min(b - a for a, b in itertools.pairwise(answered)) >= experts.MIN_ASK_INTERVAL_S - 1e-9
         assert holder_host.peers.penalty(asker.peer_id) == 0
 
 

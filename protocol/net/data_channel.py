@@ -4,19 +4,33 @@ Why: a py-libp2p Noise + Yamux stream moves ≈190 MB/s on loopback where a raw 
 moves ≈2 GB/s (bench/exchange_throughput.py); the framing, encryption and flow control run
 in Python per chunk. So the bytes of a big payload travel over a plain TCP connection
 between the same two peers, while everything that makes it safe stays on the Noise
-channel: the header with the payload's BLAKE3 hash, a one-time 32-byte token, and the
-verdict. Tampering on the wire fails the hash; a connection without a pending token is
-dropped; a token works once. The payload is not encrypted: model weights exchanged in a
-public training run are not secret, their integrity is what matters.
+channel: the payload's hash (BLAKE3 for a round's payload, protocol/net/exchange.py; the
+owner-signed sha256 for an expert version, node/algorithms/spes/experts.py), a one-time
+32-byte token, and the verdict where the protocol has one. Tampering on the wire fails the
+hash; a connection without a pending token is dropped; a token works once. The payload is
+not encrypted: model weights exchanged in a public training run are not secret, their
+integrity is what matters. The bytes are not authenticated either: a hash that fails on
+this channel may be a tamperer on the path, not the sender.
 
-Protocol flow (on the data port, after protocol/net/exchange.py handed out the token):
+Protocol flow (on the data port, after a libp2p protocol handed out the token):
 
     sender                                   receiver
-    token (32 bytes)          ─────────────▶ looks up the pending transfer; unknown: close
+    token (32 bytes), or its sha256 on a
+    channel made with ``hashed``  ─────────▶ looks up the pending transfer; unknown: close
     payload (nbytes)          ─────────────▶ read into the buffer allocated for it
-    (close)                                  verdict goes back on the libp2p stream
+    (close)                                  the protocol's own verdict, if any, on the stream
+
+``hashed``: the sender presents sha256(token), not the token, so the first bytes it writes
+are none a peer chose: a receiver picks the port and the token, and a hostile one could
+otherwise aim a sender's connection at another service on its IP (a router's, a container
+host's) with a request of its own making as the first bytes.
+
+A transfer lives until its receiver is done with it (``wait`` returned, or ``cancel``): a
+connection still filling the buffer then is cut, so a sender that stalls mid-payload holds
+neither the buffer nor the socket past the receiver's own deadline.
 """
 
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -36,6 +50,9 @@ logger = logging.getLogger(__name__)
 TOKEN_NBYTES = 32
 # A connection must present its token quickly; an honest sender writes it first thing.
 TOKEN_TIMEOUT_S = 5.0
+# A sender gives up connecting after this long (a firewall dropping SYNs would hold it for
+# the OS's ~2 min of retries).
+CONNECT_TIMEOUT_S = 10.0
 # Transfers waiting for their sender at once; more means a misbehaving peer or a bug.
 MAX_PENDING = 64
 CHUNK_NBYTES = 1 << 20
@@ -47,26 +64,37 @@ SAME_PORT_TRIES = 4
 class _Pending:
     buffer: memoryview
     peer_id: str
+    started: trio.Event = field(default_factory=trio.Event)
+    """Its sender connected and presented the token."""
     done: trio.Event = field(default_factory=trio.Event)
     error: str | None = None
+    filling: trio.CancelScope | None = None
+    """The connection filling the buffer, while it does."""
+    ended: bool = False
+    """Its receiver is done with it: a connection still filling is cut."""
 
 
 class DataChannel:
     """The receiving side: a TCP listener and the transfers it expects."""
 
-    def __init__(self, *ips: str, per_peer: int = 1) -> None:
+    def __init__(self, *ips: str, per_peer: int = 1, hashed: bool = False) -> None:
         """Listens on each of ``ips`` (the node's listen addresses: an IPv4 and an IPv6 one
         when it listens on both), on one port: a sender connects to the address our libp2p
         connection to it comes from, and the port we announce. ``per_peer``: transfers one
         peer may have pending at once (a round's payload: 1; expert versions fetched from
-        one holder: node/algorithms/spes/experts.py's fan-out cap)."""
+        one holder: node/algorithms/spes/experts.py's fan-out cap). ``hashed``: senders
+        present sha256(token) (the module docstring says why)."""
         if not ips:
             raise ValueError("a data channel listens on at least one address")
         if per_peer < 1:
             raise ValueError(f"per_peer must be >= 1, got {per_peer}")
         self._ips = ips
         self._per_peer = per_peer
+        self._hashed = hashed
         self._pending: dict[bytes, _Pending] = {}
+        """Transfers whose sender has not connected yet, by what it will present."""
+        self._transfers: dict[bytes, _Pending] = {}
+        """Every transfer until its receiver is done with it, by token."""
         self.port = 0
 
     async def run(self, *, task_status: "TaskStatus[None]" = trio.TASK_STATUS_IGNORED) -> None:
@@ -95,31 +123,49 @@ class DataChannel:
         raise AssertionError("unreachable")
 
     def expect(self, buffer: memoryview, peer_id: str) -> bytes:
-        """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present.
+        """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present
+        (its sha256 on a ``hashed`` channel). The receiver ends it with ``wait`` or ``cancel``.
 
-        Only authorized transfers get here (protocol/net/exchange.py), at most ``per_peer`` per
-        peer at a time, so a stranger cannot take the slots an expected partner needs.
+        Only authorized transfers get here (protocol/net/exchange.py, the SPES expert
+        fetches), at most ``per_peer`` per peer at a time, so a stranger cannot take the
+        slots an expected partner needs.
         """
-        if sum(p.peer_id == peer_id for p in self._pending.values()) >= self._per_peer:
+        if sum(p.peer_id == peer_id for p in self._transfers.values()) >= self._per_peer:
             raise BadMessage(f"{peer_id} already has {self._per_peer} transfer(s) pending")
-        if len(self._pending) >= MAX_PENDING:
+        if len(self._transfers) >= MAX_PENDING:
             raise ProtocolError(f"{MAX_PENDING} transfers already pending")
         token = secrets.token_bytes(TOKEN_NBYTES)
-        self._pending[token] = _Pending(buffer, peer_id)
+        pending = _Pending(buffer, peer_id)
+        self._transfers[token] = pending
+        self._pending[presented(token) if self._hashed else token] = pending
         return token
 
-    async def wait(self, token: bytes) -> None:
-        """Until the transfer under ``token`` filled its buffer; ``ProtocolError`` if it failed."""
-        pending = self._pending[token]
+    async def wait(self, token: bytes, *, connect_timeout_s: float | None = None) -> None:
+        """Until the transfer under ``token`` filled its buffer; ``ProtocolError`` if it
+        failed, or if its sender did not connect within ``connect_timeout_s`` (not judged:
+        the sender may not be able to reach our port). The transfer ends here either way."""
+        pending = self._transfers[token]
         try:
+            if connect_timeout_s is not None:
+                with trio.move_on_after(connect_timeout_s):
+                    await pending.started.wait()
+                if not pending.started.is_set():
+                    raise ProtocolError(f"data channel: no connection within {connect_timeout_s:g} s")
             await pending.done.wait()
         finally:
-            self._pending.pop(token, None)
+            self.cancel(token)
         if pending.error is not None:
             raise ProtocolError(pending.error)
 
     def cancel(self, token: bytes) -> None:
-        self._pending.pop(token, None)
+        """End the transfer under ``token``: its token no longer works, and a connection
+        still filling its buffer is cut."""
+        self._pending.pop(presented(token) if self._hashed else token, None)
+        pending = self._transfers.pop(token, None)
+        if pending is not None:
+            pending.ended = True
+            if pending.filling is not None:
+                pending.filling.cancel()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -132,14 +178,22 @@ class DataChannel:
                     TRAFFIC.received += len(chunk)
                     token += chunk
             pending = self._pending.pop(token, None)  # one use only
-            if pending is None:
+            if pending is None or pending.ended:
                 logger.info("data channel: connection without a pending token dropped")
                 return
-            try:
-                await _fill(stream, pending.buffer)
-            except ProtocolError as exc:
-                pending.error = f"data channel: {exc}"
-            pending.done.set()
+            pending.started.set()
+            with trio.CancelScope() as pending.filling:
+                try:
+                    await _fill(stream, pending.buffer)
+                except ProtocolError as exc:
+                    pending.error = f"data channel: {exc}"
+                pending.done.set()
+            pending.filling = None
+
+
+def presented(token: bytes) -> bytes:
+    """What a sender presents on a ``hashed`` channel for ``token``."""
+    return hashlib.sha256(token).digest()
 
 
 async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
@@ -160,11 +214,17 @@ async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
 
 
 async def send(ip: str, port: int, token: bytes, data: memoryview, limit: RateLimit = UNLIMITED) -> None:
-    """The sending side: connect, present the token, write the payload (within ``limit``), close."""
-    try:
-        stream = await trio.open_tcp_stream(ip, port)
-    except OSError as exc:
-        raise ProtocolError(f"data channel to {ip}:{port}: {exc}") from exc
+    """The sending side: connect, present the token, write the payload (within ``limit``),
+    close. ``token``: what the receiver's channel expects presented (``presented(token)``
+    on a ``hashed`` one)."""
+    stream: trio.SocketStream | None = None
+    with trio.move_on_after(CONNECT_TIMEOUT_S):
+        try:
+            stream = await trio.open_tcp_stream(ip, port)
+        except OSError as exc:
+            raise ProtocolError(f"data channel to {ip}:{port}: {exc}") from exc
+    if stream is None:
+        raise ProtocolError(f"data channel to {ip}:{port}: no connection within {CONNECT_TIMEOUT_S:g} s")
     async with stream:
         try:
             await stream.send_all(token)

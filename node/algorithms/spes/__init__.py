@@ -57,7 +57,7 @@ class Spes(Noloco):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.channel = DataChannel(*ctx.listen_ips, per_peer=MAX_PARALLEL_FETCHES)
+        self.channel = DataChannel(*ctx.listen_ips, per_peer=MAX_PARALLEL_FETCHES, hashed=True)
         """Where the versions we fetch arrive (experts.py: why not on libp2p streams)."""
         self.store = ExpertStore(ctx.host, ctx.state.run_id, upload_limit=ctx.upload_limit, channel=self.channel)
         self.versions = expert_versions(ctx.run.compression)

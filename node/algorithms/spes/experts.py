@@ -23,18 +23,26 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                                      or {t: "gone", v: 1}
     direct (both sides said true): instead of the bytes on this stream,
     {t: "go", v: 1, port, token}         ─────────▶ the bytes over the asker's direct data
-                                                     channel (protocol/net/data_channel.py),
-                                                     to its IP on our connection, that port
+                                                     channel (protocol/net/data_channel.py,
+                                                     ``hashed``: sha256(token) first), to
+                                                     its IP on our connection, that port
+                                         ◀───────── {t: "failed", v: 1, reason} if it could
+                                                     not connect (else nothing more)
 
 Why the data channel: a py-libp2p stream's framing and encryption run in Python. Measured
 (`swarmtrain simulate --nodes 4 --algorithm spes`, tiny-moe, 10 rounds, per-process CPU
 time): each daemon moved ~24 MB of versions a round each way on streams and used 9.1 s of
 CPU against 2.1 s for a dense NoLoCo daemon, whose payloads take the data channel; on 2
-cores that was CPU the workers lacked. An asker offers the channel where peers can open a
-connection to it (not behind a NAT: there the bytes take the stream), a holder takes the
-offer where it reaches the asker directly; a holder of an older release answers without
-``direct`` and sends on the stream, as before. Integrity is the sha256 the owner signed,
-whichever way the bytes came.
+cores that was CPU the workers lacked. An asker offers the channel unless it knows it is
+behind a NAT (there the bytes take the stream), a holder takes the offer where it reaches
+the asker directly; a holder of an older release answers without ``direct`` and sends on
+the stream, as before. Integrity is the sha256 the owner signed, whichever way the bytes
+came, but only a stream authenticates its sender: a version from the channel that does not
+hash as signed is refused without blaming the holder (a tamperer on the path could have
+made it so), and, like a holder whose connection did not come within HEADER_TIMEOUT_S (our
+port unreachable from it: a firewall), that holder's versions take the stream for
+NO_DIRECT_S, where a bad hash is the holder's own. A holder whose connection to an asker
+failed sends to it on streams for as long: an asker cannot make it dial again and again.
 
 Heads are asked again every SYNC_INTERVAL_S, so an asker keeps one stream per holder for
 them (``/swarmtrain/expert-heads/1.0.0``: ``heads?`` and ``heads`` as above, again and
@@ -64,16 +72,20 @@ step one version nearer the keyframe (the codec's ``link`` checks the depth), at
 one whose links do not fit is kept as it came, for the worker's side to refuse and its
 signer to be banned (node/algorithms/spes/__init__.py).
 
-Bounds: a holder keeps one heads session per peer (a new one ends the old), answers its
-asks at most every MIN_ASK_INTERVAL_S (faster asks wait) and ends it after SESSION_ASKS asks
-or SESSION_IDLE_S without one; ``nbytes`` must be one of the run's version sizes (known from the worker and the
-codec: a keyframe's or a delta's) before a byte is allocated; at most MAX_PARALLEL_FETCHES
-transfers at once (the fan-out cap: a node behind fetches its versions a few at a time,
-never all at once from everyone); a chain is walked back at most ``chain − 1`` versions; heads are asked of
-live trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
-(``Host.tensor_refusal``), capped by the node's upload limit.
+Bounds: a holder keeps one heads session per peer (a new one ends the old), answers a
+peer's asks, on sessions or not, at most every MIN_ASK_INTERVAL_S (faster asks wait), and
+ends a session after SESSION_ASKS asks or SESSION_IDLE_S without one; ``nbytes`` must be
+one of the run's version sizes (known from the worker and the codec: a keyframe's or a
+delta's) before a byte is allocated; at most MAX_PARALLEL_FETCHES transfers at once (the
+fan-out cap: a node behind fetches its versions a few at a time, never all at once from
+everyone); a chain is walked back at most ``chain − 1`` versions; heads are asked of live
+trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
+(``Host.tensor_refusal``), capped by the node's upload limit; a holder dials a data port
+of MIN_DATA_PORT or above only, presents a hash of the asker's token (never bytes the
+asker chose), and dials an asker it failed to reach no more for NO_DIRECT_S.
 """
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -113,8 +125,14 @@ SESSION_ASKS = 240
 SESSION_IDLE_S = 10.0
 # A peer that did not serve a session is asked a stream an ask this long, then offered one again.
 SESSIONLESS_S = 60.0
-# A holder answers one session at most this often (an honest asker asks every SYNC_INTERVAL_S).
+# A holder answers one peer's asks at most this often (an honest asker asks every SYNC_INTERVAL_S).
 MIN_ASK_INTERVAL_S = 0.25
+# Peers whose answer slots are kept before those already passed are forgotten.
+MAX_PACED_PEERS = 256
+# Where the data channel failed between two peers, versions take streams this long.
+NO_DIRECT_S = 600.0
+# A data port below this is none of ours (ours is the OS's pick, an ephemeral port).
+MIN_DATA_PORT = 1024
 SHA256_NBYTES = 32
 
 
@@ -240,6 +258,11 @@ class ExpertStore:
         self._fetches = trio.CapacityLimiter(MAX_PARALLEL_FETCHES)
         self._sessions: dict[str, trio.CancelScope] = {}
         """The heads session each peer has with us now (one each)."""
+        self._next_answer: dict[str, float] = {}
+        """When each peer's next ``heads?`` may be answered (MIN_ASK_INTERVAL_S)."""
+        self._no_direct: dict[str, float] = {}
+        """Peers the data channel failed with (either way), and until when versions
+        between us take streams instead."""
         self._sessionless: dict[str, float] = {}
         """Peers that did not serve heads sessions (an older release, or one whose store was
         not up yet), and until when each is asked a stream an ask instead."""
@@ -362,7 +385,6 @@ class ExpertStore:
         with trio.CancelScope() as scope:
             self._sessions[peer_id] = scope
             try:
-                answered = -math.inf
                 for _ in range(SESSION_ASKS):
                     request: dict[str, object] | None = None
                     with trio.move_on_after(SESSION_IDLE_S):
@@ -371,13 +393,30 @@ class ExpertStore:
                         )
                     if request is None:
                         return  # it stopped asking: not a fault (a loaded asker may be late)
-                    if answered + MIN_ASK_INTERVAL_S > trio.current_time():
-                        await trio.sleep_until(answered + MIN_ASK_INTERVAL_S)
+                    await self._pace(peer_id)
                     await self._send_heads(stream, request)
-                    answered = trio.current_time()
             finally:
                 if self._sessions.get(peer_id) is scope:
                     del self._sessions[peer_id]
+
+    async def _pace(self, peer_id: str) -> None:
+        """Wait for ``peer_id``'s next answer slot: one per MIN_ASK_INTERVAL_S, on any
+        stream and any session (slots are taken in order, so asks at once wait in turn)."""
+        now = trio.current_time()
+        if len(self._next_answer) > MAX_PACED_PEERS:  # forget peers whose slot has passed
+            self._next_answer = {p: t for p, t in self._next_answer.items() if t > now}
+        slot = max(now, self._next_answer.get(peer_id, now))
+        self._next_answer[peer_id] = slot + MIN_ASK_INTERVAL_S
+        if slot > now:
+            await trio.sleep_until(slot)
+
+    def _channel_failed(self, peer_id: str) -> bool:
+        """Whether the data channel failed with ``peer_id`` within NO_DIRECT_S."""
+        until = self._no_direct.get(peer_id)
+        if until is not None and until <= trio.current_time():
+            del self._no_direct[peer_id]
+            return False
+        return until is not None
 
     async def _send_heads(self, stream: StreamLike, request: dict[str, object]) -> None:
         ours = wire.get_str(request, "run", max_len=64) == self._run_id
@@ -453,7 +492,11 @@ class ExpertStore:
             open_timeout_s=HEADER_TIMEOUT_S,
         ) as stream:
             # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
-            direct = self._channel is not None and self._host.nat.status.reachability != "private"
+            direct = (
+                self._channel is not None
+                and self._host.nat.status.reachability != "private"
+                and not self._channel_failed(peer_id)
+            )
             request = {"run": self._run_id, "expert": expert, "sha256": sha256, "direct": direct}
             await wire.send(stream, "get", VERSION, request)
             try:
@@ -471,12 +514,21 @@ class ExpertStore:
             if reply.get("direct") is True:
                 if not direct or self._channel is None:
                     raise BadMessage("the bytes offered over a data channel we did not offer")
-                data = await _receive_direct(self._channel, stream, peer_id, nbytes)
+                try:
+                    data = await _receive_direct(self._channel, stream, peer_id, nbytes)
+                except ProtocolError:
+                    self._no_direct[peer_id] = trio.current_time() + NO_DIRECT_S
+                    raise
                 self.direct_received += 1
+                if hashlib.sha256(data).digest() != sha256:
+                    # Not authenticated: maybe the holder, maybe the path. Not judged; the
+                    # stream, where a bad hash is the holder's own, serves this pair now.
+                    self._no_direct[peer_id] = trio.current_time() + NO_DIRECT_S
+                    raise ProtocolError("the expert's bytes from the data channel do not hash as its owner signed")
             else:
                 data = await _receive(stream, nbytes)
-            if hashlib.sha256(data).digest() != sha256:
-                raise BadMessage("the expert's bytes do not hash as its owner signed")
+                if hashlib.sha256(data).digest() != sha256:
+                    raise BadMessage("the expert's bytes do not hash as its owner signed")
         self.bytes_received += len(data)
         return data
 
@@ -606,6 +658,7 @@ class ExpertStore:
                 stream, msg_types=frozenset({"heads?", "get"}), version=VERSION, max_nbytes=4096
             )
         if request["t"] == "heads?":
+            await self._pace(stream.peer_id)
             await self._send_heads(stream, request)
             return
         ours = wire.get_str(request, "run", max_len=64) == self._run_id
@@ -618,16 +671,27 @@ class ExpertStore:
             await wire.send(stream, "gone", VERSION, {})
             return
         data = held.versions()[at]
-        peer_ip = self._host.direct_ip(stream.peer_id) if request.get("direct") is True else None
+        direct = request.get("direct") is True and not self._channel_failed(stream.peer_id)
+        peer_ip = self._host.direct_ip(stream.peer_id) if direct else None
         await wire.send(stream, "expert", VERSION, {"nbytes": len(data), "direct": peer_ip is not None})
         limit = self._host.tensor_limit(stream.peer_id, self._upload_limit)
         view = memoryview(data)
         if peer_ip is not None:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 go = await wire.receive(stream, msg_types=frozenset({"go"}), version=VERSION, max_nbytes=4096)
-            port = wire.get_int(go, "port", lo=1, hi=65535)
-            token = wire.get_bytes(go, "token", max_nbytes=64)
-            await data_channel.send(peer_ip, port, token, view, limit)
+            port = wire.get_int(go, "port", lo=MIN_DATA_PORT, hi=65535)
+            token = wire.get_bytes(go, "token", max_nbytes=data_channel.TOKEN_NBYTES)
+            if len(token) != data_channel.TOKEN_NBYTES:
+                raise BadMessage(f"a data channel token is {data_channel.TOKEN_NBYTES} bytes, not {len(token)}")
+            try:
+                await data_channel.send(peer_ip, port, data_channel.presented(token), view, limit)
+            except ProtocolError as exc:  # nobody's fault we know of: a firewall, a NAT
+                logger.info("expert %d to %s: %s; on streams for %g s", expert, stream.peer_id, exc, NO_DIRECT_S)
+                self._no_direct[stream.peer_id] = trio.current_time() + NO_DIRECT_S
+                # Said, and the stream closed, not reset (a reset may drop what was said):
+                # the asker need not wait for a connection that will not come.
+                await wire.send(stream, "failed", VERSION, {"reason": str(exc)[:200]})
+                return
             self.bytes_sent += len(view)
             return
         for start in range(0, len(view), CHUNK_NBYTES):
@@ -646,11 +710,26 @@ async def _receive_direct(channel: DataChannel, stream: StreamLike, peer_id: str
     """``nbytes`` (the run's size, checked before this allocation) over our data channel."""
     out = bytearray(nbytes)
     token = channel.expect(memoryview(out), peer_id)
+    failed: str | None = None
     try:
         await wire.send(stream, "go", VERSION, {"port": channel.port, "token": token})
-        await channel.wait(token)
+        async with trio.open_nursery() as nursery:
+
+            async def holder_failed() -> None:
+                """The holder's word that it could not reach us (else it says nothing more)."""
+                nonlocal failed
+                with contextlib.suppress(ProtocolError):  # ended: it closes once it sent
+                    said = await wire.receive(stream, msg_types=frozenset({"failed"}), version=VERSION, max_nbytes=4096)
+                    failed = str(said.get("reason"))[:200]
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(holder_failed)
+            await channel.wait(token, connect_timeout_s=HEADER_TIMEOUT_S)
+            nursery.cancel_scope.cancel()
     finally:
         channel.cancel(token)
+    if failed is not None:
+        raise ProtocolError(f"the holder could not reach our data channel: {failed}")
     return bytes(out)
 
 
