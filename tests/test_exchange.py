@@ -168,7 +168,7 @@ async def test_a_refusal_surfaces_to_the_sender() -> None:
         assert received == []
 
 
-async def test_tampering_on_the_direct_channel_is_caught_by_the_hash() -> None:
+async def test_tampering_on_the_direct_channel_is_caught_by_the_hash_and_blames_nobody() -> None:
     async with pair(direct=True) as (sender, target, receiver, received):
         stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
         await wire.send(stream, "tensors", 1, header_for(BODY, channel="direct"))
@@ -180,6 +180,18 @@ async def test_tampering_on_the_direct_channel_is_caught_by_the_hash() -> None:
             ack = await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
         assert ack["ok"] is False and "hash" in ack["reason"]
         assert received == [] and receiver.num_refused == 1
+        # Plain TCP authenticates nobody: no blame, but this sender's bytes take the stream
+        # now, where a bad hash is its own.
+        assert target.peers.penalty(sender.peer_id) == 0
+        stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+        await wire.send(stream, "tensors", 1, header_for(BODY, channel="direct"))
+        go = await wire.receive(stream, msg_types=frozenset({"go"}), version=1, max_nbytes=4096)
+        assert go["port"] == 0
+        await stream.write(forged)
+        with trio.fail_after(10):
+            ack = await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
+        assert ack["ok"] is False and "hash" in ack["reason"]
+        assert received == [] and target.peers.penalty(sender.peer_id) > 0
 
 
 async def test_the_data_port_ignores_connections_without_a_valid_token() -> None:

@@ -95,6 +95,17 @@ class Unexpected(ProtocolError):
     refused before any allocation, without a penalty (an honest peer may be a moment late)."""
 
 
+class Tampered(ProtocolError):
+    """Bytes over the direct data channel that do not hash as their header said. Plain TCP
+    authenticates nobody: the sender, or anyone on the path, may have changed them. Refused
+    without a penalty, and the sender's payloads take the stream for NO_DIRECT_S, where a
+    bad hash is its own (a tamperer on the path could otherwise get honest partners banned)."""
+
+
+# After a payload over the data channel failed its hash, that sender's take the stream this long.
+NO_DIRECT_S = 600.0
+
+
 def digest(data: bytes | bytearray | memoryview) -> bytes:
     # BLAKE3 hashes ≈7 GB/s on one core here (SHA-256 ≈1.8), more with its own threads for
     # big payloads: on a 2-3 GB/s link the hash must not halve the throughput.
@@ -276,9 +287,19 @@ class TensorReceiver:
         self.pool = BufferPool()
         self.num_refused = 0
         self.num_direct = 0
+        self._no_direct: dict[str, float] = {}
+        """Senders whose payload over the data channel failed its hash, and until when
+        theirs take the stream (``Tampered``)."""
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=2 * self._timeout_s)
+
+    def _direct_failed(self, peer_id: str) -> bool:
+        until = self._no_direct.get(peer_id)
+        if until is not None and until <= trio.current_time():
+            del self._no_direct[peer_id]
+            return False
+        return until is not None
 
     async def _serve(self, stream: Stream) -> None:
         refusal = self._host.tensor_refusal(stream.peer_id)
@@ -296,7 +317,7 @@ class TensorReceiver:
             with trio.move_on_after(self._timeout_s) as scope:
                 try:
                     payload = await self._receive(stream, lease)
-                except Unexpected as exc:
+                except (Unexpected, Tampered) as exc:
                     self.num_refused += 1
                     await wire.send(stream, "ack", VERSION, {"ok": False, "reason": str(exc)[:200]})
                     return
@@ -332,7 +353,13 @@ class TensorReceiver:
         buffer = lease.take(nbytes)
         view = memoryview(buffer)
         # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
-        if channel == "direct" and self._channel is not None and self._host.nat.status.reachability != "private":
+        direct = (
+            channel == "direct"
+            and self._channel is not None
+            and self._host.nat.status.reachability != "private"
+            and not self._direct_failed(stream.peer_id)
+        )
+        if direct and self._channel is not None:
             token = self._channel.expect(view, stream.peer_id)
             try:
                 await wire.send(stream, "go", VERSION, {"port": self._channel.port, "token": token})
@@ -344,5 +371,10 @@ class TensorReceiver:
             await wire.send(stream, "go", VERSION, {"port": 0, "token": b""})
             await stream.read_into(view, chunk_nbytes=CHUNK_NBYTES)
         if digest(buffer) != expected:
+            if direct:
+                self._no_direct[stream.peer_id] = trio.current_time() + NO_DIRECT_S
+                raise Tampered(
+                    "payload over the data channel does not hash as its header said (the stream serves you now)"
+                )
             raise BadMessage("payload hash does not match its header")
         return Payload(round_index, specs, buffer)
