@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from protocol import wire
-from protocol.errors import ProtocolError
+from protocol.errors import BadMessage, ProtocolError
 from protocol.net import data_channel, exchange
 from protocol.net.data_channel import DataChannel
 from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
-from protocol.net.host import Host, open_host, parse_dial_addr
+from protocol.net.host import Host, Stream, open_host, parse_dial_addr
 from protocol.net.traffic import TRAFFIC
 
 pytestmark = pytest.mark.integration
@@ -209,6 +210,65 @@ async def test_the_data_port_ignores_connections_without_a_valid_token() -> None
         assert ack["ok"] is True
         ((_, got),) = received
         assert bytes(got.data) == BODY
+
+
+@pytest.mark.parametrize("go", [{"port": 80, "token": bytes(32)}, {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n"}])
+async def test_a_sender_dials_no_port_and_writes_no_token_a_receiver_could_aim_at_another_service(
+    go: dict[str, object],
+) -> None:
+    """A hostile receiver picks the port and the token: ours are an ephemeral port and 32
+    random bytes, never a privileged port or a request of its own making."""
+    async with pair() as (sender, target, _receiver, _received):
+
+        async def aiming(stream: Stream) -> None:
+            await wire.receive(stream, msg_types=frozenset({"tensors"}), version=1, max_nbytes=1 << 20)
+            await wire.send(stream, "go", 1, go)
+            await trio.sleep_forever()
+
+        target.set_handler(exchange.PROTOCOL_ID, aiming)
+        with trio.fail_after(10), pytest.raises(BadMessage, match="go-ahead"):
+            await exchange.send_tensors(sender, target.peer_id, payload(), timeout_s=10)
+
+
+async def test_a_sender_that_never_connects_to_our_port_costs_one_transfer_then_uses_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A firewall in front of our data port: the receiver waits DIRECT_CONNECT_S, not the
+    whole transfer's time, blames nobody, and that sender's payloads take the stream."""
+    monkeypatch.setattr(exchange, "DIRECT_CONNECT_S", 0.3)
+    async with pair(direct=True) as (sender, target, receiver, received):
+        stream = await sender.open_stream(target.peer_id, exchange.PROTOCOL_ID, timeout_s=5)
+        await wire.send(stream, "tensors", 1, header_for(BODY, channel="direct"))
+        go = await wire.receive(stream, msg_types=frozenset({"go"}), version=1, max_nbytes=4096)
+        assert go["port"] > 0  # and we never connect
+        with trio.fail_after(10), pytest.raises(ProtocolError):  # the receiver gives up: reset
+            await wire.receive(stream, msg_types=frozenset({"ack"}), version=1, max_nbytes=4096)
+        assert target.peers.penalty(sender.peer_id) == 0
+        await exchange.send_tensors(
+            sender, target.peer_id, Payload(3, (TensorSpec("w", "float32", (256,)),), BODY), timeout_s=10
+        )
+        assert [bytes(p.data) for _, p in received] == [BODY] and receiver.num_direct == 0
+
+
+async def test_a_waiter_is_released_when_another_task_ends_its_transfer() -> None:
+    async with channel_running() as channel:
+        token = channel.expect(memoryview(bytearray(8)), "peer")
+        outcome: list[str] = []
+
+        async def waiter() -> None:
+            try:
+                await channel.wait(token)
+            except ProtocolError as exc:
+                outcome.append(str(exc))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                await trio.testing.wait_all_tasks_blocked()
+                channel.cancel(token)  # from another task: the waiter must not wait forever
+        assert outcome == ["data channel: the transfer was ended by its receiver"]
+        with pytest.raises(ProtocolError, match="no transfer"):  # and a wait after the end
+            await channel.wait(token)
 
 
 @asynccontextmanager

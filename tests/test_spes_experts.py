@@ -4,8 +4,9 @@ sizes, and what a hostile holder can and cannot make us take."""
 import hashlib
 import itertools
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import numpy as np
 import pytest
@@ -197,7 +198,8 @@ async def test_bytes_over_the_data_channel_that_do_not_hash_are_refused_and_the_
                 return
             go = await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096)
             forged = memoryview(bytes([2]) * NBYTES)
-            await data_channel.send("127.0.0.1", go["port"], data_channel.presented(go["token"]), forged)
+            presented = data_channel.presented(go["token"])
+            await data_channel.send("127.0.0.1", go["port"], presented, forged, greeting=go["greeting"])
 
         a.set_handler(experts.PROTOCOL_ID, lying)
         with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError, match="data channel do not hash") as refused:
@@ -246,13 +248,91 @@ async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_
         assert b.peers.penalty(a.peer_id) > 0
 
 
+async def _direct_holder(stream: Stream, then: Callable[[dict[str, object]], Awaitable[None]]) -> None:
+    """A holder's side up to the asker's go, then ``then(go)``."""
+    await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
+    await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+    await then(await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096))
+
+
+@pytest.mark.parametrize("fault", ["never connects", "stops after 10 bytes"])
+async def test_a_holder_whose_data_channel_transfer_fails_costs_a_fetch_not_the_sync(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure is a ProtocolError like any other (once an ExceptionGroup, from a nursery,
+    that no caller caught: it ended the node's sync), and that holder's versions take streams."""
+    monkeypatch.setattr(experts, "DIRECT_CONNECT_S", 0.5)
+    async with two_hosts() as (a, b), direct_stores(a, b) as (_, fetcher):
+        head = sign_head(SEED_A, RUN, 0, 5, bytes([1]) * NBYTES)
+
+        async def failing(go: dict[str, object]) -> None:
+            if fault == "stops after 10 bytes":
+                port, token, greeting = go["port"], go["token"], go["greeting"]
+                assert isinstance(port, int) and isinstance(token, bytes) and isinstance(greeting, bytes)
+                async with await trio.open_tcp_stream("127.0.0.1", port) as raw:
+                    assert await raw.receive_some(32) == greeting
+                    await raw.send_all(data_channel.presented(token) + bytes(10))
+            await trio.sleep_forever()
+
+        a.set_handler(experts.PROTOCOL_ID, lambda stream: _direct_holder(stream, failing))
+        with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError):
+            await fetcher.fetch(a.peer_id, head)
+        assert fetcher._channel_failed(a.peer_id) and b.peers.penalty(a.peer_id) == 0
+        # And in the sync: that holder's failure leaves the others' versions coming.
+        a.set_handler(experts.PROTOCOL_ID, lambda stream: _direct_holder(stream, failing))
+        fetcher._no_direct.clear()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetcher._get, head, [a.peer_id])  # raised through it before
+        assert 0 not in fetcher.held and fetcher._channel_failed(a.peer_id)
+
+
+@pytest.mark.parametrize("service", [b"", b"220 mail.example ESMTP\r\n"])
+async def test_a_holder_writes_nothing_to_a_port_that_does_not_greet_as_the_asker_said(
+    service: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An asker naming another service's port on its IP (a router's, a container host's):
+    that service hears nothing from us, whatever it says or does not say first."""
+    monkeypatch.setattr(data_channel, "CONNECT_TIMEOUT_S", 0.5)
+    heard = bytearray()
+    async with two_hosts() as (a, b), direct_stores(a, b) as (owner, _):
+        head = owner.publish(SEED_A, 0, 1, bytes([5]) * NBYTES)
+
+        async def other_service(conn: trio.SocketStream) -> None:
+            async with conn:
+                if service:
+                    await conn.send_all(service)
+                while chunk := await conn.receive_some(4096):
+                    heard.extend(chunk)
+
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(partial(trio.serve_tcp, other_service, 0, host="127.0.0.1"))
+            port = listener.socket.getsockname()[1]
+            with trio.fail_after(TIMEOUT_S):
+                stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
+                get = {"run": RUN, "expert": 0, "sha256": head.sha256, "direct": True}
+                await wire.send(stream, "get", experts.VERSION, get)
+                reply = await wire.receive(
+                    stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
+                )
+                assert reply["direct"] is True
+                go = {"port": port, "token": bytes(range(32)), "greeting": bytes(32)}
+                await wire.send(stream, "go", experts.VERSION, go)
+                said = await wire.receive(
+                    stream, msg_types=frozenset({"failed"}), version=experts.VERSION, max_nbytes=4096
+                )
+            assert "greet" in str(said["reason"]) and owner._channel_failed(b.peer_id)
+            nursery.cancel_scope.cancel()
+    assert bytes(heard) == b"" and owner.bytes_sent == 0
+
+
 @pytest.mark.parametrize(
     "go",
     [
-        {"port": 1 << 16, "token": bytes(32)},
-        {"port": 80, "token": bytes(32)},  # a port none of ours is: another service's
-        {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n"},  # not a token: bytes of its choosing
-        {"port": 40000},
+        {"port": 1 << 16, "token": bytes(32), "greeting": bytes(32)},
+        {"port": 80, "token": bytes(32), "greeting": bytes(32)},  # a port none of ours is: another service's
+        {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n", "greeting": bytes(32)},  # bytes of its choosing
+        {"port": 40000, "token": bytes(32)},
+        {"port": 40000, "greeting": bytes(32)},
     ],
 )
 async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict[str, object]) -> None:

@@ -20,10 +20,17 @@ Protocol flow (on the data port, after a libp2p protocol handed out the token):
     payload (nbytes)          ─────────────▶ read into the buffer allocated for it
     (close)                                  the protocol's own verdict, if any, on the stream
 
-``hashed``: the sender presents sha256(token), not the token, so the first bytes it writes
-are none a peer chose: a receiver picks the port and the token, and a hostile one could
-otherwise aim a sender's connection at another service on its IP (a router's, a container
-host's) with a request of its own making as the first bytes.
+A receiver picks the port and the token, so a hostile one could aim a sender's connection
+at another service on its IP (a router's, a container host's) with a request of its own
+making. Every sender dials ports of MIN_PORT and above only (the OS gives our listeners an
+ephemeral one) and takes 32-byte tokens only. A channel made with ``hashed`` closes it: on
+accepting a connection it first sends its ``greeting`` (32 random bytes, told to the sender
+over the Noise stream), and the sender writes nothing until it has read exactly that (no
+other service sends it); then it presents sha256(token), not the token:
+
+    receiver                                 sender
+    greeting (32 bytes)       ─────────────▶ compared with the one it was told; else close
+                              ◀───────────── sha256(token), then the payload
 
 A transfer lives until its receiver is done with it (``wait`` returned, or ``cancel``): a
 connection still filling the buffer then is cut, so a sender that stalls mid-payload holds
@@ -51,8 +58,10 @@ TOKEN_NBYTES = 32
 # A connection must present its token quickly; an honest sender writes it first thing.
 TOKEN_TIMEOUT_S = 5.0
 # A sender gives up connecting after this long (a firewall dropping SYNs would hold it for
-# the OS's ~2 min of retries).
+# the OS's ~2 min of retries), and on a greeting after as long.
 CONNECT_TIMEOUT_S = 10.0
+# A data port below this is none of ours (our listeners take an ephemeral port).
+MIN_PORT = 1024
 # Transfers waiting for their sender at once; more means a misbehaving peer or a bug.
 MAX_PENDING = 64
 CHUNK_NBYTES = 1 << 20
@@ -69,9 +78,7 @@ class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
     error: str | None = None
     filling: trio.CancelScope | None = None
-    """The connection filling the buffer, while it does."""
-    ended: bool = False
-    """Its receiver is done with it: a connection still filling is cut."""
+    """The connection filling the buffer, while it does (its receiver's end cuts it)."""
 
 
 class DataChannel:
@@ -91,6 +98,8 @@ class DataChannel:
         self._ips = ips
         self._per_peer = per_peer
         self._hashed = hashed
+        self.greeting = secrets.token_bytes(TOKEN_NBYTES) if hashed else b""
+        """What a ``hashed`` channel sends first on every connection (its senders check it)."""
         self._pending: dict[bytes, _Pending] = {}
         """Transfers whose sender has not connected yet, by what it will present."""
         self._transfers: dict[bytes, _Pending] = {}
@@ -122,6 +131,13 @@ class DataChannel:
             return listeners
         raise AssertionError("unreachable")
 
+    def has_room(self, peer_id: str) -> bool:
+        """Whether ``expect`` would take another transfer of ``peer_id`` now."""
+        return (
+            sum(p.peer_id == peer_id for p in self._transfers.values()) < self._per_peer
+            and len(self._transfers) < MAX_PENDING
+        )
+
     def expect(self, buffer: memoryview, peer_id: str) -> bytes:
         """Register ``peer_id``'s transfer into ``buffer``; returns the token it must present
         (its sha256 on a ``hashed`` channel). The receiver ends it with ``wait`` or ``cancel``.
@@ -144,7 +160,9 @@ class DataChannel:
         """Until the transfer under ``token`` filled its buffer; ``ProtocolError`` if it
         failed, or if its sender did not connect within ``connect_timeout_s`` (not judged:
         the sender may not be able to reach our port). The transfer ends here either way."""
-        pending = self._transfers[token]
+        pending = self._transfers.get(token)
+        if pending is None:
+            raise ProtocolError("data channel: no transfer under this token (ended)")
         try:
             if connect_timeout_s is not None:
                 with trio.move_on_after(connect_timeout_s):
@@ -158,17 +176,24 @@ class DataChannel:
             raise ProtocolError(pending.error)
 
     def cancel(self, token: bytes) -> None:
-        """End the transfer under ``token``: its token no longer works, and a connection
-        still filling its buffer is cut."""
+        """End the transfer under ``token``: its token no longer works, a connection still
+        filling its buffer is cut, and a ``wait`` on it returns (``ProtocolError``)."""
         self._pending.pop(presented(token) if self._hashed else token, None)
         pending = self._transfers.pop(token, None)
-        if pending is not None:
-            pending.ended = True
+        if pending is not None and not pending.done.is_set():
+            pending.error = "data channel: the transfer was ended by its receiver"
             if pending.filling is not None:
                 pending.filling.cancel()
+            pending.done.set()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
+            if self.greeting:
+                try:
+                    await stream.send_all(self.greeting)
+                except (trio.BrokenResourceError, OSError):
+                    return
+                TRAFFIC.sent += len(self.greeting)
             token = b""
             with trio.move_on_after(TOKEN_TIMEOUT_S):
                 while len(token) < TOKEN_NBYTES:
@@ -178,7 +203,7 @@ class DataChannel:
                     TRAFFIC.received += len(chunk)
                     token += chunk
             pending = self._pending.pop(token, None)  # one use only
-            if pending is None or pending.ended:
+            if pending is None:
                 logger.info("data channel: connection without a pending token dropped")
                 return
             pending.started.set()
@@ -213,10 +238,21 @@ async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
         raise ProtocolError(f"receive failed: {exc}") from exc
 
 
-async def send(ip: str, port: int, token: bytes, data: memoryview, limit: RateLimit = UNLIMITED) -> None:
+async def send(
+    ip: str,
+    port: int,
+    token: bytes,
+    data: memoryview,
+    limit: RateLimit = UNLIMITED,
+    *,
+    greeting: bytes | None = None,
+) -> None:
     """The sending side: connect, present the token, write the payload (within ``limit``),
     close. ``token``: what the receiver's channel expects presented (``presented(token)``
-    on a ``hashed`` one)."""
+    on a ``hashed`` one); ``greeting``: a ``hashed`` channel's, read and compared before
+    anything is written. ``ProtocolError`` for a port under MIN_PORT (never dialed)."""
+    if not MIN_PORT <= port <= 65535:
+        raise ProtocolError(f"data channel to {ip}:{port}: not a port a data channel has")
     stream: trio.SocketStream | None = None
     with trio.move_on_after(CONNECT_TIMEOUT_S):
         try:
@@ -227,6 +263,17 @@ async def send(ip: str, port: int, token: bytes, data: memoryview, limit: RateLi
         raise ProtocolError(f"data channel to {ip}:{port}: no connection within {CONNECT_TIMEOUT_S:g} s")
     async with stream:
         try:
+            if greeting is not None:
+                heard = b""
+                with trio.move_on_after(CONNECT_TIMEOUT_S):
+                    while len(heard) < len(greeting):
+                        chunk = await stream.receive_some(len(greeting) - len(heard))
+                        if not chunk:
+                            break
+                        heard += chunk
+                TRAFFIC.received += len(heard)
+                if heard != greeting:  # not the channel we were told of: nothing written
+                    raise ProtocolError(f"data channel at {ip}:{port} did not greet as told")
             await stream.send_all(token)
             TRAFFIC.sent += len(token)
             for offset in range(0, len(data), CHUNK_NBYTES):

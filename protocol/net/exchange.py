@@ -102,8 +102,12 @@ class Tampered(ProtocolError):
     bad hash is its own (a tamperer on the path could otherwise get honest partners banned)."""
 
 
-# After a payload over the data channel failed its hash, that sender's take the stream this long.
+# After a payload over the data channel failed (its hash, or its sender's connection did
+# not come within DIRECT_CONNECT_S), that sender's take the stream this long.
 NO_DIRECT_S = 600.0
+DIRECT_CONNECT_S = 10.0
+# Senders kept in that map before the ones whose time has passed are forgotten.
+MAX_NO_DIRECT = 256
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -187,7 +191,12 @@ async def send_tensors(
                 raise _refusal(reply, peer_id)
             port = wire.get_int(reply, "port", lo=0, hi=65535)
             if port and peer_ip:
-                await data_channel.send(peer_ip, port, wire.get_bytes(reply, "token", max_nbytes=64), data, limit)
+                token = wire.get_bytes(reply, "token", max_nbytes=64)
+                # A receiver picks the port and the token: ours are an ephemeral port and 32
+                # random bytes, never another service's port or a request of its making.
+                if port < data_channel.MIN_PORT or len(token) != data_channel.TOKEN_NBYTES:
+                    raise BadMessage(f"a go-ahead to port {port} with a {len(token)}-byte token")
+                await data_channel.send(peer_ip, port, token, data, limit)
             else:
                 for offset in range(0, len(data), CHUNK_NBYTES):
                     await limit.take(min(CHUNK_NBYTES, len(data) - offset))
@@ -294,6 +303,12 @@ class TensorReceiver:
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=2 * self._timeout_s)
 
+    def _direct_fails(self, peer_id: str) -> None:
+        now = trio.current_time()
+        if len(self._no_direct) > MAX_NO_DIRECT:
+            self._no_direct = {p: t for p, t in self._no_direct.items() if t > now}
+        self._no_direct[peer_id] = now + NO_DIRECT_S
+
     def _direct_failed(self, peer_id: str) -> bool:
         until = self._no_direct.get(peer_id)
         if until is not None and until <= trio.current_time():
@@ -352,18 +367,24 @@ class TensorReceiver:
             raise Unexpected(f"not expecting {nbytes} bytes for round {round_index} from you: {refusal}")
         buffer = lease.take(nbytes)
         view = memoryview(buffer)
-        # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
+        # Behind a NAT nobody can open a connection to our data port: the bytes take the
+        # stream; so they do where the channel failed with this sender lately, or is full.
         direct = (
             channel == "direct"
             and self._channel is not None
             and self._host.nat.status.reachability != "private"
             and not self._direct_failed(stream.peer_id)
+            and self._channel.has_room(stream.peer_id)
         )
         if direct and self._channel is not None:
             token = self._channel.expect(view, stream.peer_id)
             try:
                 await wire.send(stream, "go", VERSION, {"port": self._channel.port, "token": token})
-                await self._channel.wait(token)
+                try:
+                    await self._channel.wait(token, connect_timeout_s=DIRECT_CONNECT_S)
+                except ProtocolError:  # unjudged (a firewall in front of our port, say)
+                    self._direct_fails(stream.peer_id)
+                    raise
             finally:
                 self._channel.cancel(token)
             self.num_direct += 1
@@ -372,7 +393,7 @@ class TensorReceiver:
             await stream.read_into(view, chunk_nbytes=CHUNK_NBYTES)
         if digest(buffer) != expected:
             if direct:
-                self._no_direct[stream.peer_id] = trio.current_time() + NO_DIRECT_S
+                self._direct_fails(stream.peer_id)
                 raise Tampered(
                     "payload over the data channel does not hash as its header said (the stream serves you now)"
                 )

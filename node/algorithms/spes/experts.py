@@ -22,10 +22,12 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                                      training/encodings/experts.py),
                                                      or {t: "gone", v: 1}
     direct (both sides said true): instead of the bytes on this stream,
-    {t: "go", v: 1, port, token}         ─────────▶ the bytes over the asker's direct data
+    {t: "go", v: 1, port, token,
+     greeting}                           ─────────▶ the bytes over the asker's direct data
                                                      channel (protocol/net/data_channel.py,
-                                                     ``hashed``: sha256(token) first), to
-                                                     its IP on our connection, that port
+                                                     ``hashed``: once it greeted as told,
+                                                     sha256(token) first), to its IP on
+                                                     our connection, that port
                                          ◀───────── {t: "failed", v: 1, reason} if it could
                                                      not connect (else nothing more)
 
@@ -39,7 +41,7 @@ the asker directly; a holder of an older release answers without ``direct`` and 
 the stream, as before. Integrity is the sha256 the owner signed, whichever way the bytes
 came, but only a stream authenticates its sender: a version from the channel that does not
 hash as signed is refused without blaming the holder (a tamperer on the path could have
-made it so), and, like a holder whose connection did not come within HEADER_TIMEOUT_S (our
+made it so), and, like a holder whose connection did not come within DIRECT_CONNECT_S (our
 port unreachable from it: a firewall), that holder's versions take the stream for
 NO_DIRECT_S, where a bad hash is the holder's own. A holder whose connection to an asker
 failed sends to it on streams for as long: an asker cannot make it dial again and again.
@@ -81,8 +83,9 @@ fan-out cap: a node behind fetches its versions a few at a time, never all at on
 everyone); a chain is walked back at most ``chain − 1`` versions; heads are asked of live
 trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
 (``Host.tensor_refusal``), capped by the node's upload limit; a holder dials a data port
-of MIN_DATA_PORT or above only, presents a hash of the asker's token (never bytes the
-asker chose), and dials an asker it failed to reach no more for NO_DIRECT_S.
+of data_channel.MIN_PORT or above only, writes nothing before the asker's channel greeted
+it as the asker said it would (no other service sends those 32 random bytes), then a hash
+of the asker's token, and dials an asker it failed to reach no more for NO_DIRECT_S.
 """
 
 import contextlib
@@ -127,12 +130,14 @@ SESSION_IDLE_S = 10.0
 SESSIONLESS_S = 60.0
 # A holder answers one peer's asks at most this often (an honest asker asks every SYNC_INTERVAL_S).
 MIN_ASK_INTERVAL_S = 0.25
-# Peers whose answer slots are kept before those already passed are forgotten.
-MAX_PACED_PEERS = 256
 # Where the data channel failed between two peers, versions take streams this long.
 NO_DIRECT_S = 600.0
-# A data port below this is none of ours (ours is the OS's pick, an ephemeral port).
-MIN_DATA_PORT = 1024
+# An asker gives up on a holder's data-channel connection after this long (a holder that
+# cannot reach it says so at once; one whose dial hangs gives up after CONNECT_TIMEOUT_S).
+DIRECT_CONNECT_S = 10.0
+# Peers kept in the maps of when each may be answered or dialed again, before the ones
+# whose time has passed are forgotten.
+MAX_TIMED_PEERS = 256
 SHA256_NBYTES = 32
 
 
@@ -403,12 +408,19 @@ class ExpertStore:
         """Wait for ``peer_id``'s next answer slot: one per MIN_ASK_INTERVAL_S, on any
         stream and any session (slots are taken in order, so asks at once wait in turn)."""
         now = trio.current_time()
-        if len(self._next_answer) > MAX_PACED_PEERS:  # forget peers whose slot has passed
+        if len(self._next_answer) > MAX_TIMED_PEERS:  # forget peers whose slot has passed
             self._next_answer = {p: t for p, t in self._next_answer.items() if t > now}
         slot = max(now, self._next_answer.get(peer_id, now))
         self._next_answer[peer_id] = slot + MIN_ASK_INTERVAL_S
         if slot > now:
             await trio.sleep_until(slot)
+
+    def _channel_fails(self, peer_id: str) -> None:
+        """The data channel failed with ``peer_id``: streams between us for NO_DIRECT_S."""
+        now = trio.current_time()
+        if len(self._no_direct) > MAX_TIMED_PEERS:
+            self._no_direct = {p: t for p, t in self._no_direct.items() if t > now}
+        self._no_direct[peer_id] = now + NO_DIRECT_S
 
     def _channel_failed(self, peer_id: str) -> bool:
         """Whether the data channel failed with ``peer_id`` within NO_DIRECT_S."""
@@ -517,13 +529,13 @@ class ExpertStore:
                 try:
                     data = await _receive_direct(self._channel, stream, peer_id, nbytes)
                 except ProtocolError:
-                    self._no_direct[peer_id] = trio.current_time() + NO_DIRECT_S
+                    self._channel_fails(peer_id)
                     raise
                 self.direct_received += 1
                 if hashlib.sha256(data).digest() != sha256:
                     # Not authenticated: maybe the holder, maybe the path. Not judged; the
                     # stream, where a bad hash is the holder's own, serves this pair now.
-                    self._no_direct[peer_id] = trio.current_time() + NO_DIRECT_S
+                    self._channel_fails(peer_id)
                     raise ProtocolError("the expert's bytes from the data channel do not hash as its owner signed")
             else:
                 data = await _receive(stream, nbytes)
@@ -679,15 +691,16 @@ class ExpertStore:
         if peer_ip is not None:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 go = await wire.receive(stream, msg_types=frozenset({"go"}), version=VERSION, max_nbytes=4096)
-            port = wire.get_int(go, "port", lo=MIN_DATA_PORT, hi=65535)
+            port = wire.get_int(go, "port", lo=data_channel.MIN_PORT, hi=65535)
             token = wire.get_bytes(go, "token", max_nbytes=data_channel.TOKEN_NBYTES)
-            if len(token) != data_channel.TOKEN_NBYTES:
-                raise BadMessage(f"a data channel token is {data_channel.TOKEN_NBYTES} bytes, not {len(token)}")
+            greeting = wire.get_bytes(go, "greeting", max_nbytes=data_channel.TOKEN_NBYTES)
+            if len(token) != data_channel.TOKEN_NBYTES or len(greeting) != data_channel.TOKEN_NBYTES:
+                raise BadMessage(f"a data channel's token and greeting are {data_channel.TOKEN_NBYTES} bytes each")
             try:
-                await data_channel.send(peer_ip, port, data_channel.presented(token), view, limit)
+                await data_channel.send(peer_ip, port, data_channel.presented(token), view, limit, greeting=greeting)
             except ProtocolError as exc:  # nobody's fault we know of: a firewall, a NAT
                 logger.info("expert %d to %s: %s; on streams for %g s", expert, stream.peer_id, exc, NO_DIRECT_S)
-                self._no_direct[stream.peer_id] = trio.current_time() + NO_DIRECT_S
+                self._channel_fails(stream.peer_id)
                 # Said, and the stream closed, not reset (a reset may drop what was said):
                 # the asker need not wait for a connection that will not come.
                 await wire.send(stream, "failed", VERSION, {"reason": str(exc)[:200]})
@@ -711,8 +724,9 @@ async def _receive_direct(channel: DataChannel, stream: StreamLike, peer_id: str
     out = bytearray(nbytes)
     token = channel.expect(memoryview(out), peer_id)
     failed: str | None = None
+    error: ProtocolError | None = None
     try:
-        await wire.send(stream, "go", VERSION, {"port": channel.port, "token": token})
+        await wire.send(stream, "go", VERSION, {"port": channel.port, "token": token, "greeting": channel.greeting})
         async with trio.open_nursery() as nursery:
 
             async def holder_failed() -> None:
@@ -724,12 +738,17 @@ async def _receive_direct(channel: DataChannel, stream: StreamLike, peer_id: str
                     nursery.cancel_scope.cancel()
 
             nursery.start_soon(holder_failed)
-            await channel.wait(token, connect_timeout_s=HEADER_TIMEOUT_S)
+            try:  # caught here: raised in a nursery's body it would leave as an ExceptionGroup
+                await channel.wait(token, connect_timeout_s=DIRECT_CONNECT_S)
+            except ProtocolError as exc:
+                error = exc
             nursery.cancel_scope.cancel()
     finally:
         channel.cancel(token)
     if failed is not None:
         raise ProtocolError(f"the holder could not reach our data channel: {failed}")
+    if error is not None:
+        raise error
     return bytes(out)
 
 
