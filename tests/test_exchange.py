@@ -300,7 +300,8 @@ async def test_a_hashed_channel_takes_the_tokens_hash_not_the_token() -> None:
         token = channel.expect(memoryview(buffer), "peer")
         with contextlib.suppress(ProtocolError):  # dropped unread: the channel hangs up
             await data_channel.send("127.0.0.1", channel.port, token, memoryview(b"\xff" * len(BODY)))
-        await data_channel.send("127.0.0.1", channel.port, data_channel.presented(token), memoryview(BODY))
+        presented = data_channel.presented(token)
+        await data_channel.send("127.0.0.1", channel.port, presented, memoryview(BODY), nonce=channel.nonce)
         with trio.fail_after(10):
             await channel.wait(token)
         assert bytes(buffer) == BODY

@@ -1,6 +1,7 @@
 """Expert versions between real libp2p hosts on loopback: signed heads, hashed bytes, bounded
 sizes, and what a hostile holder can and cannot make us take."""
 
+import contextlib
 import hashlib
 import itertools
 import socket
@@ -192,14 +193,14 @@ async def test_bytes_over_the_data_channel_that_do_not_hash_are_refused_and_the_
 
         async def lying(stream: Stream) -> None:
             request = await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
-            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": request["direct"]})
-            if not request["direct"]:
+            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "channel": request["channel"]})
+            if request["channel"] != experts.CHANNEL:
                 await stream.write(bytes([2]) * NBYTES)
                 return
             go = await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096)
             forged = memoryview(bytes([2]) * NBYTES)
             presented = data_channel.presented(go["token"])
-            await data_channel.send("127.0.0.1", go["port"], presented, forged, greeting=go["greeting"])
+            await data_channel.send("127.0.0.1", go["port"], presented, forged, nonce=go["nonce"])
 
         a.set_handler(experts.PROTOCOL_ID, lying)
         with trio.fail_after(TIMEOUT_S), pytest.raises(ProtocolError, match="data channel do not hash") as refused:
@@ -238,8 +239,8 @@ async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_
 
         async def pushing(stream: Stream) -> None:
             request = await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
-            assert request["direct"] is False
-            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+            assert request["channel"] == 0
+            await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "channel": experts.CHANNEL})
             await trio.sleep_forever()
 
         a.set_handler(experts.PROTOCOL_ID, pushing)
@@ -251,7 +252,7 @@ async def test_a_holder_pushing_the_data_channel_on_an_asker_that_did_not_offer_
 async def _direct_holder(stream: Stream, then: Callable[[dict[str, object]], Awaitable[None]]) -> None:
     """A holder's side up to the asker's go, then ``then(go)``."""
     await wire.receive(stream, msg_types=frozenset({"get"}), version=experts.VERSION, max_nbytes=4096)
-    await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "direct": True})
+    await wire.send(stream, "expert", experts.VERSION, {"nbytes": NBYTES, "channel": experts.CHANNEL})
     await then(await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096))
 
 
@@ -267,10 +268,10 @@ async def test_a_holder_whose_data_channel_transfer_fails_costs_a_fetch_not_the_
 
         async def failing(go: dict[str, object]) -> None:
             if fault == "stops after 10 bytes":
-                port, token, greeting = go["port"], go["token"], go["greeting"]
-                assert isinstance(port, int) and isinstance(token, bytes) and isinstance(greeting, bytes)
+                port, token, nonce = go["port"], go["token"], go["nonce"]
+                assert isinstance(port, int) and isinstance(token, bytes) and isinstance(nonce, bytes)
                 async with await trio.open_tcp_stream("127.0.0.1", port) as raw:
-                    assert await raw.receive_some(32) == greeting
+                    assert await raw.receive_some(32) == data_channel.greeting_of(nonce)
                     await raw.send_all(data_channel.presented(token) + bytes(10))
             await trio.sleep_forever()
 
@@ -286,9 +287,21 @@ async def test_a_holder_whose_data_channel_transfer_fails_costs_a_fetch_not_the_
         assert 0 not in fetcher.held and fetcher._channel_failed(a.peer_id)
 
 
-@pytest.mark.parametrize("service", [b"", b"220 mail.example ESMTP\r\n"])
+SSH_BANNER = b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13.5\r\n"
+
+
+@pytest.mark.parametrize(
+    ("service", "nonce"),
+    [
+        (b"", bytes(32)),
+        (b"220 mail.example ESMTP\r\n", bytes(32)),
+        # The nonce an asker would name if the greeting were the nonce itself: the banner's
+        # first 32 bytes. The holder expects a hash of it, which no banner is.
+        (SSH_BANNER, SSH_BANNER[:32]),
+    ],
+)
 async def test_a_holder_writes_nothing_to_a_port_that_does_not_greet_as_the_asker_said(
-    service: bytes, monkeypatch: pytest.MonkeyPatch
+    service: bytes, nonce: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An asker naming another service's port on its IP (a router's, a container host's):
     that service hears nothing from us, whatever it says or does not say first."""
@@ -301,21 +314,24 @@ async def test_a_holder_writes_nothing_to_a_port_that_does_not_greet_as_the_aske
             async with conn:
                 if service:
                     await conn.send_all(service)
-                while chunk := await conn.receive_some(4096):
-                    heard.extend(chunk)
+                # A holder closing on a banner longer than a greeting leaves bytes unread:
+                # its kernel resets the connection.
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while chunk := await conn.receive_some(4096):
+                        heard.extend(chunk)
 
         async with trio.open_nursery() as nursery:
             (listener,) = await nursery.start(partial(trio.serve_tcp, other_service, 0, host="127.0.0.1"))
             port = listener.socket.getsockname()[1]
             with trio.fail_after(TIMEOUT_S):
                 stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
-                get = {"run": RUN, "expert": 0, "sha256": head.sha256, "direct": True}
+                get = {"run": RUN, "expert": 0, "sha256": head.sha256, "channel": experts.CHANNEL}
                 await wire.send(stream, "get", experts.VERSION, get)
                 reply = await wire.receive(
                     stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
                 )
-                assert reply["direct"] is True
-                go = {"port": port, "token": bytes(range(32)), "greeting": bytes(32)}
+                assert reply["channel"] == experts.CHANNEL
+                go = {"port": port, "token": bytes(range(32)), "nonce": nonce}
                 await wire.send(stream, "go", experts.VERSION, go)
                 said = await wire.receive(
                     stream, msg_types=frozenset({"failed"}), version=experts.VERSION, max_nbytes=4096
@@ -328,11 +344,11 @@ async def test_a_holder_writes_nothing_to_a_port_that_does_not_greet_as_the_aske
 @pytest.mark.parametrize(
     "go",
     [
-        {"port": 1 << 16, "token": bytes(32), "greeting": bytes(32)},
-        {"port": 80, "token": bytes(32), "greeting": bytes(32)},  # a port none of ours is: another service's
-        {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n", "greeting": bytes(32)},  # bytes of its choosing
+        {"port": 1 << 16, "token": bytes(32), "nonce": bytes(32)},
+        {"port": 80, "token": bytes(32), "nonce": bytes(32)},  # a port none of ours is: another service's
+        {"port": 40000, "token": b"GET / HTTP/1.0\r\n\r\n", "nonce": bytes(32)},  # bytes of its choosing
         {"port": 40000, "token": bytes(32)},
-        {"port": 40000, "greeting": bytes(32)},
+        {"port": 40000, "nonce": bytes(32)},
     ],
 )
 async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict[str, object]) -> None:
@@ -341,12 +357,12 @@ async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict
         head = owner.publish(SEED_A, 0, 1, data)
         with trio.fail_after(TIMEOUT_S):
             stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
-            request = {"run": RUN, "expert": 0, "sha256": head.sha256, "direct": True}
+            request = {"run": RUN, "expert": 0, "sha256": head.sha256, "channel": experts.CHANNEL}
             await wire.send(stream, "get", experts.VERSION, request)
             reply = await wire.receive(
                 stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
             )
-            assert reply["direct"] is True
+            assert reply["channel"] == experts.CHANNEL
             await wire.send(stream, "go", experts.VERSION, go)
             with pytest.raises(StreamError):  # the holder gives up on us: the stream ends
                 await stream.read_exact(1)

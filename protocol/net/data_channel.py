@@ -24,12 +24,15 @@ A receiver picks the port and the token, so a hostile one could aim a sender's c
 at another service on its IP (a router's, a container host's) with a request of its own
 making. Every sender dials ports of MIN_PORT and above only (the OS gives our listeners an
 ephemeral one) and takes 32-byte tokens only. A channel made with ``hashed`` closes it: on
-accepting a connection it first sends its ``greeting`` (32 random bytes, told to the sender
-over the Noise stream), and the sender writes nothing until it has read exactly that (no
-other service sends it); then it presents sha256(token), not the token:
+accepting a connection it first sends its greeting, sha256(domain ‖ nonce) of a random
+32-byte ``nonce`` told to the sender over the Noise stream, and the sender writes nothing
+until it has read exactly that; then it presents sha256(token), not the token. The sender
+computes the greeting itself: a receiver names the nonce, never the bytes to match, so it
+cannot pick a service whose banner passes (a greeting of its choosing could be the first
+32 bytes of an SSH server's).
 
     receiver                                 sender
-    greeting (32 bytes)       ─────────────▶ compared with the one it was told; else close
+    greeting (32 bytes)       ─────────────▶ compared with greeting_of(nonce); else close
                               ◀───────────── sha256(token), then the payload
 
 A transfer lives until its receiver is done with it (``wait`` returned, or ``cancel``): a
@@ -98,8 +101,9 @@ class DataChannel:
         self._ips = ips
         self._per_peer = per_peer
         self._hashed = hashed
-        self.greeting = secrets.token_bytes(TOKEN_NBYTES) if hashed else b""
-        """What a ``hashed`` channel sends first on every connection (its senders check it)."""
+        self.nonce = secrets.token_bytes(TOKEN_NBYTES) if hashed else b""
+        """A ``hashed`` channel's: told to senders, who expect ``greeting_of(nonce)`` first."""
+        self._greeting = greeting_of(self.nonce) if hashed else b""
         self._pending: dict[bytes, _Pending] = {}
         """Transfers whose sender has not connected yet, by what it will present."""
         self._transfers: dict[bytes, _Pending] = {}
@@ -188,12 +192,12 @@ class DataChannel:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
-            if self.greeting:
+            if self._greeting:
                 try:
-                    await stream.send_all(self.greeting)
+                    await stream.send_all(self._greeting)
                 except (trio.BrokenResourceError, OSError):
                     return
-                TRAFFIC.sent += len(self.greeting)
+                TRAFFIC.sent += len(self._greeting)
             token = b""
             with trio.move_on_after(TOKEN_TIMEOUT_S):
                 while len(token) < TOKEN_NBYTES:
@@ -221,6 +225,11 @@ def presented(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
+def greeting_of(nonce: bytes) -> bytes:
+    """What a ``hashed`` channel told of ``nonce`` sends first on every connection."""
+    return hashlib.sha256(b"swarmtrain-data-channel-greeting\0" + nonce).digest()
+
+
 async def _fill(stream: trio.SocketStream, buffer: memoryview) -> None:
     """Receive straight into ``buffer`` (recv_into: no per-chunk allocation, no second copy)."""
     sock = stream.socket
@@ -245,12 +254,14 @@ async def send(
     data: memoryview,
     limit: RateLimit = UNLIMITED,
     *,
-    greeting: bytes | None = None,
+    nonce: bytes | None = None,
 ) -> None:
     """The sending side: connect, present the token, write the payload (within ``limit``),
     close. ``token``: what the receiver's channel expects presented (``presented(token)``
-    on a ``hashed`` one); ``greeting``: a ``hashed`` channel's, read and compared before
-    anything is written. ``ProtocolError`` for a port under MIN_PORT (never dialed)."""
+    on a ``hashed`` one); ``nonce``: a ``hashed`` channel's, whose ``greeting_of`` is read
+    and compared before anything is written. ``ProtocolError`` for a port under MIN_PORT
+    (never dialed)."""
+    greeting = None if nonce is None else greeting_of(nonce)
     if not MIN_PORT <= port <= 65535:
         raise ProtocolError(f"data channel to {ip}:{port}: not a port a data channel has")
     stream: trio.SocketStream | None = None

@@ -105,7 +105,9 @@ class Tampered(ProtocolError):
 # After a payload over the data channel failed (its hash, or its sender's connection did
 # not come within DIRECT_CONNECT_S), that sender's take the stream this long.
 NO_DIRECT_S = 600.0
-DIRECT_CONNECT_S = 10.0
+# Generous: a receiver that gives up on an honest sender (a loaded machine, either end)
+# loses that round's payload; before, a firewalled port cost the whole SEND_TIMEOUT_S.
+DIRECT_CONNECT_S = 30.0
 # Senders kept in that map before the ones whose time has passed are forgotten.
 MAX_NO_DIRECT = 256
 

@@ -12,8 +12,8 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                                      training: its worker is in its rounds,
                                                      not starting, restarting or finished)
     {t: "get", v: 1, run, expert, sha256,
-     direct}                             ─────────▶
-                                         ◀───────── {t: "expert", v: 1, nbytes, direct} then
+     channel}                            ─────────▶
+                                         ◀───────── {t: "expert", v: 1, nbytes, channel} then
                                                      nbytes raw bytes (one expert's flat
                                                      layout, training/spes.py, as the run's
                                                      versions travel: float32, int8, or a
@@ -21,13 +21,14 @@ Protocol flow (``/swarmtrain/experts/1.0.0``), one exchange per stream:
                                                      compression is sparseloco,
                                                      training/encodings/experts.py),
                                                      or {t: "gone", v: 1}
-    direct (both sides said true): instead of the bytes on this stream,
+    channel = CHANNEL (both sides said so): instead of the bytes on this stream,
     {t: "go", v: 1, port, token,
-     greeting}                           ─────────▶ the bytes over the asker's direct data
+     nonce}                              ─────────▶ the bytes over the asker's direct data
                                                      channel (protocol/net/data_channel.py,
-                                                     ``hashed``: once it greeted as told,
-                                                     sha256(token) first), to its IP on
-                                                     our connection, that port
+                                                     ``hashed``: once it greeted with
+                                                     greeting_of(nonce), sha256(token)
+                                                     first), to its IP on our connection,
+                                                     that port
                                          ◀───────── {t: "failed", v: 1, reason} if it could
                                                      not connect (else nothing more)
 
@@ -84,8 +85,9 @@ everyone); a chain is walked back at most ``chain − 1`` versions; heads are as
 trainers only, every SYNC_INTERVAL_S; tensors only over direct connections
 (``Host.tensor_refusal``), capped by the node's upload limit; a holder dials a data port
 of data_channel.MIN_PORT or above only, writes nothing before the asker's channel greeted
-it as the asker said it would (no other service sends those 32 random bytes), then a hash
-of the asker's token, and dials an asker it failed to reach no more for NO_DIRECT_S.
+it with a hash of the nonce the asker named (a greeting the asker cannot choose, so no
+other service's banner passes), then a hash of the asker's token, and dials an asker it
+failed to reach no more for NO_DIRECT_S.
 """
 
 import contextlib
@@ -132,6 +134,11 @@ SESSIONLESS_S = 60.0
 MIN_ASK_INTERVAL_S = 0.25
 # Where the data channel failed between two peers, versions take streams this long.
 NO_DIRECT_S = 600.0
+# The data-channel handshake an asker offers and a holder takes (``channel`` in get and
+# expert; 0: none). Commits 88249dc to 314cb95 of main offered another under ``direct``
+# (unhashed, then greeted by bytes the asker chose): a node of those and one of this never
+# use the channel between them, so neither blames the other for a handshake it lacks.
+CHANNEL = 2
 # An asker gives up on a holder's data-channel connection after this long (a holder that
 # cannot reach it says so at once; one whose dial hangs gives up after CONNECT_TIMEOUT_S).
 DIRECT_CONNECT_S = 10.0
@@ -509,7 +516,7 @@ class ExpertStore:
                 and self._host.nat.status.reachability != "private"
                 and not self._channel_failed(peer_id)
             )
-            request = {"run": self._run_id, "expert": expert, "sha256": sha256, "direct": direct}
+            request = {"run": self._run_id, "expert": expert, "sha256": sha256, "channel": CHANNEL if direct else 0}
             await wire.send(stream, "get", VERSION, request)
             try:
                 with trio.fail_after(HEADER_TIMEOUT_S):
@@ -523,7 +530,7 @@ class ExpertStore:
             nbytes = wire.get_int(reply, "nbytes", lo=min(self.sizes), hi=self.expert_nbytes)
             if nbytes not in self.sizes:
                 raise BadMessage(f"an expert version is one of {sorted(self.sizes)} bytes, not {nbytes}")
-            if reply.get("direct") is True:
+            if reply.get("channel") == CHANNEL:
                 if not direct or self._channel is None:
                     raise BadMessage("the bytes offered over a data channel we did not offer")
                 try:
@@ -683,9 +690,9 @@ class ExpertStore:
             await wire.send(stream, "gone", VERSION, {})
             return
         data = held.versions()[at]
-        direct = request.get("direct") is True and not self._channel_failed(stream.peer_id)
+        direct = request.get("channel") == CHANNEL and not self._channel_failed(stream.peer_id)
         peer_ip = self._host.direct_ip(stream.peer_id) if direct else None
-        await wire.send(stream, "expert", VERSION, {"nbytes": len(data), "direct": peer_ip is not None})
+        await wire.send(stream, "expert", VERSION, {"nbytes": len(data), "channel": CHANNEL if peer_ip else 0})
         limit = self._host.tensor_limit(stream.peer_id, self._upload_limit)
         view = memoryview(data)
         if peer_ip is not None:
@@ -693,11 +700,11 @@ class ExpertStore:
                 go = await wire.receive(stream, msg_types=frozenset({"go"}), version=VERSION, max_nbytes=4096)
             port = wire.get_int(go, "port", lo=data_channel.MIN_PORT, hi=65535)
             token = wire.get_bytes(go, "token", max_nbytes=data_channel.TOKEN_NBYTES)
-            greeting = wire.get_bytes(go, "greeting", max_nbytes=data_channel.TOKEN_NBYTES)
-            if len(token) != data_channel.TOKEN_NBYTES or len(greeting) != data_channel.TOKEN_NBYTES:
-                raise BadMessage(f"a data channel's token and greeting are {data_channel.TOKEN_NBYTES} bytes each")
+            nonce = wire.get_bytes(go, "nonce", max_nbytes=data_channel.TOKEN_NBYTES)
+            if len(token) != data_channel.TOKEN_NBYTES or len(nonce) != data_channel.TOKEN_NBYTES:
+                raise BadMessage(f"a data channel's token and nonce are {data_channel.TOKEN_NBYTES} bytes each")
             try:
-                await data_channel.send(peer_ip, port, data_channel.presented(token), view, limit, greeting=greeting)
+                await data_channel.send(peer_ip, port, data_channel.presented(token), view, limit, nonce=nonce)
             except ProtocolError as exc:  # nobody's fault we know of: a firewall, a NAT
                 logger.info("expert %d to %s: %s; on streams for %g s", expert, stream.peer_id, exc, NO_DIRECT_S)
                 self._channel_fails(stream.peer_id)
@@ -726,7 +733,7 @@ async def _receive_direct(channel: DataChannel, stream: StreamLike, peer_id: str
     failed: str | None = None
     error: ProtocolError | None = None
     try:
-        await wire.send(stream, "go", VERSION, {"port": channel.port, "token": token, "greeting": channel.greeting})
+        await wire.send(stream, "go", VERSION, {"port": channel.port, "token": token, "nonce": channel.nonce})
         async with trio.open_nursery() as nursery:
 
             async def holder_failed() -> None:
