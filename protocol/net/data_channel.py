@@ -220,6 +220,33 @@ class DataChannel:
             pending.filling = None
 
 
+class Cooldowns:
+    """Peers the data channel failed with lately, each for ``duration_s`` of trio's clock
+    (their bytes take the Noise stream meanwhile); past ``max_peers`` entries, the ones
+    whose time has passed are forgotten."""
+
+    def __init__(self, duration_s: float, *, max_peers: int = 256) -> None:
+        self._duration_s = duration_s
+        self._max_peers = max_peers
+        self._until: dict[str, float] = {}
+
+    def mark(self, peer_id: str) -> None:
+        now = trio.current_time()
+        if len(self._until) > self._max_peers:
+            self._until = {p: t for p, t in self._until.items() if t > now}
+        self._until[peer_id] = now + self._duration_s
+
+    def __contains__(self, peer_id: object) -> bool:
+        until = self._until.get(peer_id) if isinstance(peer_id, str) else None
+        if until is not None and until <= trio.current_time():
+            del self._until[peer_id]  # type: ignore[arg-type]
+            return False
+        return until is not None
+
+    def clear(self) -> None:
+        self._until.clear()
+
+
 def presented(token: bytes) -> bytes:
     """What a sender presents on a ``hashed`` channel for ``token``."""
     return hashlib.sha256(token).digest()

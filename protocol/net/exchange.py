@@ -298,25 +298,12 @@ class TensorReceiver:
         self.pool = BufferPool()
         self.num_refused = 0
         self.num_direct = 0
-        self._no_direct: dict[str, float] = {}
-        """Senders whose payload over the data channel failed its hash, and until when
-        theirs take the stream (``Tampered``)."""
+        self._no_direct = data_channel.Cooldowns(NO_DIRECT_S, max_peers=MAX_NO_DIRECT)
+        """Senders whose payload over the data channel failed lately (its hash: ``Tampered``;
+        or its connection did not come): theirs take the stream."""
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=2 * self._timeout_s)
-
-    def _direct_fails(self, peer_id: str) -> None:
-        now = trio.current_time()
-        if len(self._no_direct) > MAX_NO_DIRECT:
-            self._no_direct = {p: t for p, t in self._no_direct.items() if t > now}
-        self._no_direct[peer_id] = now + NO_DIRECT_S
-
-    def _direct_failed(self, peer_id: str) -> bool:
-        until = self._no_direct.get(peer_id)
-        if until is not None and until <= trio.current_time():
-            del self._no_direct[peer_id]
-            return False
-        return until is not None
 
     async def _serve(self, stream: Stream) -> None:
         refusal = self._host.tensor_refusal(stream.peer_id)
@@ -375,7 +362,7 @@ class TensorReceiver:
             channel == "direct"
             and self._channel is not None
             and self._host.nat.status.reachability != "private"
-            and not self._direct_failed(stream.peer_id)
+            and stream.peer_id not in self._no_direct
             and self._channel.has_room(stream.peer_id)
         )
         if direct and self._channel is not None:
@@ -385,7 +372,7 @@ class TensorReceiver:
                 try:
                     await self._channel.wait(token, connect_timeout_s=DIRECT_CONNECT_S)
                 except ProtocolError:  # unjudged (a firewall in front of our port, say)
-                    self._direct_fails(stream.peer_id)
+                    self._no_direct.mark(stream.peer_id)
                     raise
             finally:
                 self._channel.cancel(token)
@@ -395,7 +382,7 @@ class TensorReceiver:
             await stream.read_into(view, chunk_nbytes=CHUNK_NBYTES)
         if digest(buffer) != expected:
             if direct:
-                self._direct_fails(stream.peer_id)
+                self._no_direct.mark(stream.peer_id)
                 raise Tampered(
                     "payload over the data channel does not hash as its header said (the stream serves you now)"
                 )

@@ -272,9 +272,9 @@ class ExpertStore:
         """The heads session each peer has with us now (one each)."""
         self._next_answer: dict[str, float] = {}
         """When each peer's next ``heads?`` may be answered (MIN_ASK_INTERVAL_S)."""
-        self._no_direct: dict[str, float] = {}
-        """Peers the data channel failed with (either way), and until when versions
-        between us take streams instead."""
+        self._no_direct = data_channel.Cooldowns(NO_DIRECT_S, max_peers=MAX_TIMED_PEERS)
+        """Peers the data channel failed with lately (either way): versions between us
+        take streams instead."""
         self._sessionless: dict[str, float] = {}
         """Peers that did not serve heads sessions (an older release, or one whose store was
         not up yet), and until when each is asked a stream an ask instead."""
@@ -424,18 +424,11 @@ class ExpertStore:
 
     def _channel_fails(self, peer_id: str) -> None:
         """The data channel failed with ``peer_id``: streams between us for NO_DIRECT_S."""
-        now = trio.current_time()
-        if len(self._no_direct) > MAX_TIMED_PEERS:
-            self._no_direct = {p: t for p, t in self._no_direct.items() if t > now}
-        self._no_direct[peer_id] = now + NO_DIRECT_S
+        self._no_direct.mark(peer_id)
 
     def _channel_failed(self, peer_id: str) -> bool:
         """Whether the data channel failed with ``peer_id`` within NO_DIRECT_S."""
-        until = self._no_direct.get(peer_id)
-        if until is not None and until <= trio.current_time():
-            del self._no_direct[peer_id]
-            return False
-        return until is not None
+        return peer_id in self._no_direct
 
     async def _send_heads(self, stream: StreamLike, request: dict[str, object]) -> None:
         ours = wire.get_str(request, "run", max_len=64) == self._run_id
