@@ -256,6 +256,18 @@ async def _direct_holder(stream: Stream, then: Callable[[dict[str, object]], Awa
     await then(await wire.receive(stream, msg_types=frozenset({"go"}), version=experts.VERSION, max_nbytes=4096))
 
 
+async def ask_with_go(asker: Host, holder: str, head: Head, go: dict[str, object]) -> Stream:
+    """A raw asker: ``get`` of ``head``'s expert offering the data channel, the holder's
+    offer checked, then ``go`` as given; the stream, for what the holder says next."""
+    stream = await asker.open_stream(holder, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
+    request = {"run": RUN, "expert": head.expert, "sha256": head.sha256, "channel": experts.CHANNEL}
+    await wire.send(stream, "get", experts.VERSION, request)
+    reply = await wire.receive(stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096)
+    assert reply["channel"] == experts.CHANNEL
+    await wire.send(stream, "go", experts.VERSION, go)
+    return stream
+
+
 @pytest.mark.parametrize("fault", ["never connects", "stops after 10 bytes"])
 async def test_a_holder_whose_data_channel_transfer_fails_costs_a_fetch_not_the_sync(
     fault: str, monkeypatch: pytest.MonkeyPatch
@@ -324,15 +336,8 @@ async def test_a_holder_writes_nothing_to_a_port_that_does_not_greet_as_the_aske
             (listener,) = await nursery.start(partial(trio.serve_tcp, other_service, 0, host="127.0.0.1"))
             port = listener.socket.getsockname()[1]
             with trio.fail_after(TIMEOUT_S):
-                stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
-                get = {"run": RUN, "expert": 0, "sha256": head.sha256, "channel": experts.CHANNEL}
-                await wire.send(stream, "get", experts.VERSION, get)
-                reply = await wire.receive(
-                    stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
-                )
-                assert reply["channel"] == experts.CHANNEL
                 go = {"port": port, "token": bytes(range(32)), "nonce": nonce}
-                await wire.send(stream, "go", experts.VERSION, go)
+                stream = await ask_with_go(b, a.peer_id, head, go)
                 said = await wire.receive(
                     stream, msg_types=frozenset({"failed"}), version=experts.VERSION, max_nbytes=4096
                 )
@@ -356,14 +361,7 @@ async def test_an_askers_malformed_go_costs_it_and_the_holder_serves_on(go: dict
         data = bytes([5]) * NBYTES
         head = owner.publish(SEED_A, 0, 1, data)
         with trio.fail_after(TIMEOUT_S):
-            stream = await b.open_stream(a.peer_id, experts.PROTOCOL_ID, timeout_s=TIMEOUT_S)
-            request = {"run": RUN, "expert": 0, "sha256": head.sha256, "channel": experts.CHANNEL}
-            await wire.send(stream, "get", experts.VERSION, request)
-            reply = await wire.receive(
-                stream, msg_types=frozenset({"expert"}), version=experts.VERSION, max_nbytes=4096
-            )
-            assert reply["channel"] == experts.CHANNEL
-            await wire.send(stream, "go", experts.VERSION, go)
+            stream = await ask_with_go(b, a.peer_id, head, go)
             with pytest.raises(StreamError):  # the holder gives up on us: the stream ends
                 await stream.read_exact(1)
             assert a.peers.penalty(b.peer_id) > 0 and owner.bytes_sent == 0
