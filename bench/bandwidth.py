@@ -22,6 +22,8 @@ checkpoint's staging); and for each its ratios to ``none`` measured in this run:
     python bench/bandwidth.py --quick                   # micro, 6 rounds: a CI-sized check
     python bench/bandwidth.py --encodings none,sparseloco --seeds 1,2,3 --link-mbps 0
     python bench/bandwidth.py --encodings none,none+barrier,sparseloco,sparseloco+barrier
+    python bench/bandwidth.py --model gpt-125m --device cuda --rounds 4 --inner-steps 20 \
+        --link-mbps 0 --encodings none,sparseloco   # on one GPU (scripts/gpu_checks "bandwidth")
 """
 
 import argparse
@@ -45,6 +47,8 @@ def simulate(variant: str, seed: int, args: argparse.Namespace, report: Path) ->
         *["--nodes", str(args.nodes), "--model", args.model, "--rounds", str(args.rounds)],
         *["--compression", encoding, "--set", f"seed={seed}", "--link-mbps", f"{args.link_mbps:g}"],
         *(["--set", "outer.overlap=0"] if mode == "barrier" else []),
+        *(["--device", args.device] if args.device else []),
+        *(["--inner-steps", str(args.inner_steps)] if args.inner_steps else []),
     ]
     data = run_simulate(flags, report, timeout_s=args.timeout_s)
     nodes = [n for n in data["nodes"] if n.get("final_loss") is not None]
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--link-mbps", type=float, default=100.0)
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--device", help="simulate's --device (default: its own, auto)")
+    parser.add_argument("--inner-steps", type=int, help="simulate's --inner-steps (default: its own, 10)")
     parser.add_argument("--quick", action="store_true", help="micro model, 6 rounds (overrides --model, --rounds)")
     args = parser.parse_args()
     if args.quick:

@@ -2,13 +2,17 @@
 
 One Trainer as the worker builds it (training/trainer.py), its outbox and inbox shared
 memory page-locked as the worker's are (training/pinned.py). Each round, timed with the
-device synchronized around each piece:
+training stream synchronized around each piece (only it: the checkpoint's copy out on a
+stream of its own goes on under the next round's inner steps, as in the worker, and
+slows them if it does):
 - ``inner``: H inner steps (the round's work, ``--steps``, 50 as the issue's H);
 - ``export``: φ and Δ into the outbox (``outer_payload`` and the copy into shared memory);
 - ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and
   checked (``parse_payload``), timed alone: the outer step does it again, and the stall
   counts it once, there;
-- ``outer``: the outer step on it (``apply_noloco``: the parse included, as in the worker);
+- ``outer``: the outer step on it, as the worker takes it (training/algorithms/noloco.py
+  ``outer`` on the inbox: the parse included; until 2026-11-27 the worker cloned the inbox
+  first, a copy this bench did not make);
 - ``checkpoint``: what saving the state costs the training path: the copy into the
   background writer's buffers, or nothing in a round that finds the last write still going
   (training/saver.py skips those; ``checkpoints_written`` of the rounds were written): its
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_inner import add_setup_args, setup
 from training import checkpoint
+from training.algorithms import noloco
 from training.pinned import page_locked
 from training.saver import BackgroundSaver
 from training.trainer import Trainer
@@ -51,11 +56,11 @@ from training.trainer import Trainer
 
 def timed(device: torch.device, work: Callable[[], object]) -> float:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     started = time.perf_counter()
     work()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter() - started
 
 
@@ -72,7 +77,7 @@ def one_round(
     took["export"] = timed(device, lambda: out_view.copy_(trainer.outer_payload()))
     in_view.copy_(out_view)
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
-    took["outer"] = timed(device, lambda: trainer.apply_noloco(in_view))
+    took["outer"] = timed(device, lambda: noloco.outer(trainer, {"peer": True}, in_view, {}))
     state, meta = trainer.state()
     took["checkpoint"] = timed(device, lambda: written.append(saver.save(trainer.round, state, meta)))
     wire = trainer.outer_payload()
@@ -91,7 +96,7 @@ def profile_outer(
     with profile(activities=activities) as prof:
         out_view.copy_(trainer.outer_payload())
         in_view.copy_(out_view)
-        trainer.apply_noloco(in_view)
+        noloco.outer(trainer, {"peer": True}, in_view, {})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

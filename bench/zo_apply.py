@@ -15,7 +15,10 @@ For K = 1, 8, 64 updates on a flat float32 parameter buffer, prints GB/s of para
   of generator versions 1 and 2 (median of triton.testing.do_bench, which warms up and
   flushes L2 between runs), and their HBM traffic (read + write of θ) as a fraction of a
   device-to-device copy of the same buffer into a preallocated one, timed the same way
-  (the card's practical bandwidth); the issue's target is ≥ 60% of HBM bandwidth.
+  (the card's practical bandwidth); the issue's target is ≥ 60% of HBM bandwidth;
+  ``fused_device_keys`` and ``fused_v2_device_keys`` the same calls with every key derived
+  by the device's tensor ops (``zo_apply.HOST_KEYS`` = 0: a replay's large calls, and every
+  call before 2026-11-27), and ``host_keys_over_device_keys`` the ratio.
 
     python bench/zo_apply.py [--mparams 16] [--device cpu|cuda] [--repeats 3] [--ks 1,8,64]
         [--blocks 1024,4096] [--fused-only] [--reference-max-k 8]
@@ -96,13 +99,27 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
         "num_warps_v2": zo_apply.num_warps_for(block, 2),
     }
     rates: dict[str, float] = {}
-    for name, version in (("fused", 1), ("fused_v2", 2)):
-        seconds = timed_on_gpu(lambda v=version: zo_apply.apply_triton([theta], seeds, coeffs, version=v, block=block))
+    host_keys = zo_apply.HOST_KEYS
+    for name, version, keys_limit in (
+        ("fused", 1, host_keys),
+        ("fused_v2", 2, host_keys),
+        ("fused_device_keys", 1, 0),
+        ("fused_v2_device_keys", 2, 0),
+    ):
+        zo_apply.HOST_KEYS = keys_limit  # 0: every key derived by the device's tensor ops (before 2026-11-27)
+        try:
+            seconds = timed_on_gpu(
+                lambda v=version: zo_apply.apply_triton([theta], seeds, coeffs, version=v, block=block)
+            )
+        finally:
+            zo_apply.HOST_KEYS = host_keys
         rates[name] = nbytes / seconds / 1e9
         row[f"{name}_gb_per_s"] = round(rates[name], 3)
         # HBM traffic: one read and one write of θ
         row[f"{name}_fraction_of_copy_bandwidth"] = round(2 * rates[name] / copy_gb_per_s, 3)
     row["fused_v2_over_v1"] = round(rates["fused_v2"] / rates["fused"], 3)
+    row["host_keys_over_device_keys"] = round(rates["fused"] / rates["fused_device_keys"], 3)
+    row["host_keys_over_device_keys_v2"] = round(rates["fused_v2"] / rates["fused_v2_device_keys"], 3)
     return row
 
 
@@ -128,7 +145,8 @@ def main() -> None:
     ks = [int(x) for x in args.ks.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     numel = int(args.mparams * 1e6)
-    theta = torch.zeros(numel, device=args.device)
+    # random weights, not zeros (which can hide unwritten outputs and run faster than real data)
+    theta = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(args.device)
     out: dict[str, object] = {"bench": "zo_apply", **vars(args), "threads": torch.get_num_threads(), "results": []}
     copy_gb_per_s = 0.0
     if on_gpu:

@@ -66,7 +66,7 @@ them, but K = 1 may lose some of its bandwidth).
 
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -261,6 +261,14 @@ def _key_chunks(halves: torch.Tensor, count: int) -> Iterator[tuple[int, torch.T
         yield first, torch.where(pairs >= 1 << 31, pairs - (1 << 32), pairs).to(torch.int32).contiguous()
 
 
+HOST_KEYS = 1 << 16
+"""At most this many key pairs (parameters × updates) a call are derived on the host
+(``rng.params_keys_host``) and uploaded with c and the groups' edges in one copy: a ZO
+step's (K = 1 to 64, gpt-125m's 148 parameters) in ~0.1 ms of NumPy, where the device's
+~60 tensor ops are as many launches for the GPU to wait on between two calls (K = 1 at
+0.38 of copy bandwidth on an H200 with them, 2026-11-27). A replay's thousands of
+updates a call keep the device's derivation (NumPy's would take milliseconds there)."""
+
 DEFAULT_BLOCK = {1: 1024, 2: 4096}
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
@@ -380,6 +388,12 @@ if triton is not None:
         tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
 
 
+def _aligned(count: int) -> int:
+    """``count`` int32s rounded up to 16 bytes (Triton specializes a kernel on pointers'
+    16-byte alignment: the packed upload's sections keep it)."""
+    return -(-count // 4) * 4
+
+
 def _require_cuda(params: Sequence[torch.Tensor]) -> None:
     for p, param in enumerate(params):
         if param.device.type != "cuda":
@@ -414,9 +428,21 @@ def apply_triton(
     warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
     # Uploads without a wait (``rng.upload``): the launches queue behind the last call's.
-    halves, values = rng.seed_halves(seeds, device=device), rng.upload(coeffs, device)
-    starts = rng.upload(torch.tensor(edges, dtype=torch.int32), device)
-    for first, chunk in _key_chunks(halves, len(params)):  # derived on the device, many parameters at once
+    if len(params) * len(seeds) <= HOST_KEYS:  # the keys, c and the groups' edges in one upload
+        keys = rng.params_keys_host(seeds, 0, len(params)).view(np.int32)
+        at_edges, at_keys = _aligned(len(seeds)), _aligned(len(seeds)) + _aligned(len(edges))  # 16-byte starts
+        packed = np.zeros(at_keys + keys.size, dtype=np.int32)
+        packed[: len(seeds)] = coeffs.detach().cpu().numpy().view(np.int32)
+        packed[at_edges : at_edges + len(edges)] = edges
+        packed[at_keys:] = keys.ravel()
+        uploaded = rng.upload(torch.from_numpy(packed), device)
+        values, starts = uploaded[: len(seeds)].view(torch.float32), uploaded[at_edges : at_edges + len(edges)]
+        chunks: Iterable[tuple[int, torch.Tensor]] = [(0, uploaded[at_keys:].view(keys.shape))]
+    else:  # derived on the device, many parameters at once
+        halves, values = rng.seed_halves(seeds, device=device), rng.upload(coeffs, device)
+        starts = rng.upload(torch.tensor(edges, dtype=torch.int32), device)
+        chunks = _key_chunks(halves, len(params))
+    for first, chunk in chunks:
         for j, keys in enumerate(chunk):
             param = params[first + j]
             if param.device != values.device:

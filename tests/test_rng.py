@@ -114,3 +114,21 @@ def test_keys_at_once_are_the_definitions_keys() -> None:
     for first, count in ((2**32 - 2, 3), (-1, 2)):
         with pytest.raises(ValueError, match="parameter indices"):
             rng.params_keys(halves, first, count)
+        with pytest.raises(ValueError, match="parameter indices"):
+            rng.params_keys_host(seeds, first, count)
+    # the host's NumPy derivation: the same values, whatever the seeds and indices
+    for first in (0, 7, 2**32 - 3):
+        host = rng.params_keys_host(seeds, first, 3)
+        assert host.dtype == np.uint32 and host.shape == (3, 2, len(seeds))
+        assert np.array_equal(host.astype(np.int64), rng.params_keys(halves, first, 3).numpy())
+    assert rng.params_keys_host([], 0, 4).shape == (4, 2, 0) and rng.params_keys_host(seeds, 3, 0).shape == (0, 2, 8)
+    with pytest.raises(ValueError, match="seeds"):
+        rng.params_keys_host([2**64], 0, 1)
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=6), st.integers(0, 2**32 - 4))
+def test_host_keys_are_the_definitions_keys_for_any_seed(seeds: list[int], first: int) -> None:
+    host = rng.params_keys_host(seeds, first, 3)
+    assert [[tuple(pair) for pair in host[j].T.tolist()] for j in range(3)] == [
+        [rng.key(seed, first + j) for seed in seeds] for j in range(3)
+    ]

@@ -114,16 +114,38 @@ def test_a_failed_write_is_reported_and_the_old_file_stays(tmp_path: Path) -> No
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gpu_state_is_copied_before_training_changes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("room", [True, False], ids=["snapshot-on-device", "no-room-copy-on-training-stream"])
+def test_a_gpu_state_is_copied_before_training_changes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: bool
+) -> None:
+    """Staged and saved tensors, changed by the training stream at once after each call and
+    again while the write waits, with a long kernel queued first so that a copy out that
+    did not wait for the snapshot (or a snapshot overwritten early) would read changed values."""
+    if not room:
+        monkeypatch.setattr(saver, "_room_for", lambda tensor: None)
     held = HeldWrites(monkeypatch)
     path = tmp_path / "run.ckpt"
     writer = BackgroundSaver(path, lambda r, e: None)
-    weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    n = 1 << 24
+    adam = torch.arange(n, dtype=torch.float32, device="cuda")
+    weights = torch.arange(n, dtype=torch.float32, device="cuda") * 2
+    slow = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # ~tens of ms of work queued ahead of the copies (tanh: bounded, no overflow)
+        slow = torch.tanh(slow @ slow)
+    writer.stage({"adam": adam})
+    adam.mul_(-1)
     writer.save(0, {"w": weights}, {"round": 1})
     weights.mul_(-1)  # queued after the copy on the same stream
+    for _ in range(3):  # the next rounds' steps while the write is held; saves skipped meanwhile
+        adam.add_(1)
+        weights.add_(1)
+        writer.stage({"adam": adam})
+        assert not writer.save(1, {"w": weights}, {"round": 2})
     held.go.set()
     writer.close()
-    assert torch.equal(checkpoint.load(path)[0]["w"], torch.arange(1 << 20, dtype=torch.float32))
+    tensors = checkpoint.load(path)[0]
+    assert torch.equal(tensors["adam"], torch.arange(n, dtype=torch.float32))
+    assert torch.equal(tensors["w"], torch.arange(n, dtype=torch.float32) * 2)
 
 
 def test_a_save_the_last_writes_report_brings_about_is_written_not_skipped(tmp_path: Path) -> None:

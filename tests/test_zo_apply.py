@@ -112,7 +112,9 @@ SPECIAL_COEFFS = [0.0, -0.0, 1e-45, -1e-45, 2.0**-140, -(2.0**-127), 1.1754942e-
 @needs_gpu
 @pytest.mark.parametrize("version", rng.VERSIONS)
 @pytest.mark.parametrize("num_updates", [1, 3, 8, 64])
-def test_the_triton_kernels_give_the_reference_bits_on_cuda(version: int, num_updates: int) -> None:
+def test_the_triton_kernels_give_the_reference_bits_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, version: int, num_updates: int
+) -> None:
     gen = torch.Generator().manual_seed(num_updates)
     pool = SPECIAL_COEFFS + (torch.randn(64, generator=gen) * 1e-3).tolist()
     # every special coefficient in some call, whatever K is
@@ -125,17 +127,21 @@ def test_the_triton_kernels_give_the_reference_bits_on_cuda(version: int, num_up
         theta.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, -1.0] * 5))
         expected = [t.clone() for t in theta]
         zo_apply.apply_reference(expected, seeds, coeffs, version=version)
-        for block in (None, 4096, 1024, 32):
+        # keys from the host in the packed upload (a step's few), then from the device's ops (a replay's many)
+        for block, host_keys in ((None, True), (4096, True), (1024, True), (32, True), (None, False)):
+            monkeypatch.setattr(zo_apply, "HOST_KEYS", 1 << 16 if host_keys else 0)
             on_gpu = [t.cuda() for t in theta]
             zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, block=block)
-            assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (window, block)
+            assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (window, block, host_keys)
         # the same updates as groups (a replay's rounds in one launch): the bits of one call a group
         ends = [len(seeds) // 3, len(seeds) // 3, len(seeds)]  # the middle group empty
         grouped = [t.clone() for t in theta]
         zo_apply.apply_reference(grouped, seeds, coeffs, version=version, ends=ends)
-        on_gpu = [t.cuda() for t in theta]
-        zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, ends=ends)
-        assert all(same_bits(a, b.cpu()) for a, b in zip(grouped, on_gpu, strict=True)), (window, ends)
+        for host_keys in (True, False):
+            monkeypatch.setattr(zo_apply, "HOST_KEYS", 1 << 16 if host_keys else 0)
+            on_gpu = [t.cuda() for t in theta]
+            zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, ends=ends)
+            assert all(same_bits(a, b.cpu()) for a, b in zip(grouped, on_gpu, strict=True)), (window, ends, host_keys)
 
 
 @needs_gpu

@@ -8,7 +8,14 @@ exactly when every value is. It ran ~160 times a round on the outer step's path 
 partner's payload, the new φ piece by piece), and over every tensor of each checkpoint.
 
 ``all_finite_each`` asks about many tensors with one answer: on a GPU each ``all_finite``
-waits for the device (a sync), ~150 of them a round for gpt-125m's φ.
+waits for the device (a sync), ~150 of them a round for gpt-125m's φ. On a GPU it takes
+each tensor's 1-norm in one list op (``torch._foreach_norm``: one launch for them all,
+where ~300 ``aminmax`` calls took ~9 ms of the host's time a round on the H200): a sum of
+absolute values is NaN if a value is, +inf if a value is infinite, and finite otherwise,
+but for a sum past float32's range (a mean |x| over 1e31 for gpt-125m's largest tensor),
+which counts as not finite too: no weight of a run that has not already diverged is
+near there. On a CPU, ``aminmax`` stays: there the 1-norm takes 3× as long (measured,
+torch 2.13, 38 M floats) and no launch costs anything.
 """
 
 from collections.abc import Iterable
@@ -23,12 +30,18 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def all_finite_each(tensors: Iterable[torch.Tensor]) -> bool:
     """``all_finite`` of every tensor, with one wait for the device instead of one each."""
-    extremes: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
             continue
         if t.is_complex():
             t = torch.view_as_real(t)
-        low, high = torch.aminmax(t)
-        extremes.setdefault((t.device, t.dtype), []).extend((low, high))  # stacked as they are
-    return all(bool(torch.isfinite(torch.stack(values)).all()) for values in extremes.values())
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), group in groups.items():
+        if device.type == "cpu":
+            values = [extreme for t in group for extreme in torch.aminmax(t)]
+        else:
+            values = list(torch._foreach_norm(group, 1))
+        if not bool(torch.isfinite(torch.stack(values)).all()):
+            return False
+    return True

@@ -82,9 +82,7 @@ def check_partner(
     # Every norm computed first and read once (on a GPU each read is a wait for the device:
     # three per tensor, ~450 a round for gpt-125m).
     norms, their_deltas, phi_gaps = _norms(
-        [d.float() for d in delta],
-        [t.float() for t in peer.delta],
-        [(q - p).float() for q, p in zip(peer.phi, phi, strict=True)],
+        [d.float() for d in delta], [t.float() for t in peer.delta], _differences(peer.phi, phi)
     )
     total = math.sqrt(sum(n * n for n in norms))
     worst: tuple[float, str] | None = None  # (how many bounds away, why)
@@ -104,11 +102,23 @@ def check_partner(
         raise PartnerRefused(worst[1], drifted=worst[0] <= bounds.ban_factor)
 
 
+def _differences(a: Params, b: Params) -> Params:
+    """a − b per tensor, in float32: one list op where the dtypes allow (on a GPU, one launch
+    for ~150 tensors instead of one each)."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} tensors against {len(b)}")
+    if all(x.dtype == y.dtype == torch.float32 and x.device == y.device for x, y in zip(a, b, strict=True)):
+        return list(torch._foreach_sub(a, b))
+    return [(x - y).float() for x, y in zip(a, b, strict=True)]
+
+
 def _norms(*groups: Params) -> list[list[float]]:
-    """The 2-norm of every tensor of each group, read from the device at once."""
+    """The 2-norm of every tensor of each group, read from the device at once (one list op
+    per group: ~450 launches a round for gpt-125m before, ~11 ms of the host's time on the
+    H200)."""
     if not any(groups):
         return [[] for _ in groups]
-    each = [torch.linalg.vector_norm(t) for group in groups for t in group]
+    each = [norm for group in groups if group for norm in torch._foreach_norm(group)]
     values = torch.stack(each).tolist()
     out, start = [], 0
     for group in groups:

@@ -18,8 +18,10 @@ from training.worker_config import WorkerConfig
 def outer(
     trainer: Trainer, command: dict[str, Any], inbox: torch.Tensor, collected: dict[str, list[torch.Tensor]]
 ) -> Outer:
-    peer = inbox.clone() if command.get("peer") is True else None
-    used = trainer.apply_noloco(peer)
+    # The inbox itself: the outer step's parse copies it to the model's device at once (the
+    # daemon writes it again only after our outer_done), straight from page-locked memory on
+    # a GPU. A clone here was a second copy of the payload into pageable memory first.
+    used = trainer.apply_noloco(inbox if command.get("peer") is True else None)
     return Outer(used_peer=used, rejected=trainer.last_rejection, drifted=trainer.last_rejection_drifted)
 
 

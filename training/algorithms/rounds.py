@@ -239,7 +239,7 @@ def _outer_round(
         if command["t"] != "accumulate":
             break
         try:  # keep this peer's Δ (checked like any partner payload)
-            collected[str(command.get("key"))] = trainer.parse_payload(in_view.clone()).delta
+            collected[str(command.get("key"))] = trainer.parse_payload(in_view).delta
             refusal, drifted = None, False
         except PayloadRejected as exc:
             refusal, drifted = str(exc)[:200], exc.drifted

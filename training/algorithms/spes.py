@@ -74,8 +74,7 @@ def outer(
         refusal = trainer.swap_in(expert, slots[expert].clone(), version_round)
         if refusal is not None:
             rejected.append([expert, version_round, refusal[:200]])
-    peer = inbox.clone() if command.get("peer") is True else None
-    used = trainer.apply_noloco(peer)
+    used = trainer.apply_noloco(inbox if command.get("peer") is True else None)  # as NoLoCo's: no clone
     trainer.set_owned(_owned(command, num_experts))
     trainer.merge_owned(round_index)
     return Outer(
