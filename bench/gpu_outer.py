@@ -6,7 +6,7 @@ training stream synchronized around each piece (only it: the checkpoint's copy o
 stream of its own goes on under the next round's inner steps, as in the worker, and
 slows them if it does):
 - ``inner``: H inner steps (the round's work, ``--steps``, 50 as the issue's H);
-- ``export``: φ and Δ into the outbox (``outer_payload`` and the copy into shared memory);
+- ``export``: φ and Δ into the outbox (``Trainer.export_into``, as the worker makes it);
 - ``import``: a partner's payload (our own, as a stand-in) from the inbox, parsed and
   checked (``parse_payload``), timed alone: the outer step does it again, and the stall
   counts it once, there;
@@ -20,8 +20,9 @@ slows them if it does):
   whenever most rounds skip);
   ``checkpoint_sync`` (once, at the end): the whole save (hash, atomic write) as it was on
   the training path before;
-- ``pinned_copy``: the reference, the payload's bytes from the device into a pinned buffer.
-``--profile FILE``: one more round's export, import and outer step under torch's profiler,
+- ``pinned_copy``: the reference, the payload's bytes from the device into a pinned buffer
+  (until 2026-11-27 from the host copy ``outer_payload`` had made: a host memcpy, not this).
+``--profile FILE``: one more round's outer step (the worker's, parse included) under torch's profiler,
 its busiest ops (device time on a GPU, else CPU time) written to FILE as a table.
 Printed: one JSON object with the median of each piece over ``--rounds`` and the ratios
 ``export_over_pinned_copy``, ``checkpoint_over_sync`` and ``stall_fraction`` = (export +
@@ -74,28 +75,28 @@ def one_round(
     written: list[bool],
 ) -> dict[str, float]:
     took = {"inner": timed(device, trainer.inner_steps)}
-    took["export"] = timed(device, lambda: out_view.copy_(trainer.outer_payload()))
+    took["export"] = timed(device, lambda: trainer.export_into(out_view))  # as the worker does
     in_view.copy_(out_view)
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
     took["outer"] = timed(device, lambda: noloco.outer(trainer, {"peer": True}, in_view, {}))
     state, meta = trainer.state()
     took["checkpoint"] = timed(device, lambda: written.append(saver.save(trainer.round, state, meta)))
-    wire = trainer.outer_payload()
-    took["pinned_copy"] = timed(device, lambda: pinned.copy_(wire, non_blocking=True))
+    flat = trainer._exact_flat().view(torch.uint8)  # the payload's bytes where they are made
+    took["pinned_copy"] = timed(device, lambda: pinned.copy_(flat, non_blocking=True))
     return took
 
 
 def profile_outer(
     trainer: Trainer, out_view: torch.Tensor, in_view: torch.Tensor, device: torch.device, path: Path
 ) -> None:
-    """One round's export, import and outer step under torch's profiler: its busiest ops."""
+    """One round's outer step (as the worker takes it) under torch's profiler: its busiest ops."""
     from torch.profiler import ProfilerActivity, profile
 
     trainer.inner_steps()
+    trainer.export_into(out_view)
+    in_view.copy_(out_view)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        out_view.copy_(trainer.outer_payload())
-        in_view.copy_(out_view)
         noloco.outer(trainer, {"peer": True}, in_view, {})
         if device.type == "cuda":
             torch.cuda.synchronize(device)

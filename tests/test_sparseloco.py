@@ -11,7 +11,16 @@ from tests.test_trainer import trainer
 from training import checkpoint
 from training.algorithms.rounds import start_from_peer
 from training.encodings import encoding
-from training.encodings.sparseloco import CHUNK, FRAGMENTS, TOP_K, pack_bits, unpack_bits
+from training.encodings.sparseloco import (
+    CHUNK,
+    FRAGMENTS,
+    TOP_K,
+    SparseLoCo,
+    _pack_lsb_first,
+    _unpack_lsb_first,
+    pack_bits,
+    unpack_bits,
+)
 from training.models import GPT, preset
 from training.settings import OuterConfig, RunSettings
 from training.trainer import PayloadRejected, Trainer
@@ -20,12 +29,44 @@ from training.worker_config import WorkerConfig
 SPARSE = encoding("sparseloco")
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test under both codecs: the host's NumPy packing (a CPU's) and torch's (a GPU's,
+    here on CPU tensors): the same bytes, numbers and refusals."""
+    monkeypatch.setattr(SparseLoCo, "torch_codec", request.param == "torch")
+    return str(request.param)
+
+
 def test_bits_pack_and_unpack() -> None:
     values = torch.randint(0, 4, (1001,), generator=torch.Generator().manual_seed(0))
     packed = pack_bits(values, 2)
     assert packed.numel() == -(-1001 * 2 // 8)
     assert torch.equal(unpack_bits(packed, 1001, 2), values)
     assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [0b00111001]  # LSB first
+    # torch's packing (a GPU's): the same bytes, for 2-bit codes and 1-bit masks, any length
+    for count in (1, 3, 4, 7, 8, 9, 1001):
+        assert torch.equal(_pack_lsb_first(values[:count], 2), pack_bits(values[:count], 2))
+        assert torch.equal(_unpack_lsb_first(pack_bits(values[:count], 2), count, 2).long(), values[:count])
+        mask = values[:count] > 1
+        assert torch.equal(_pack_lsb_first(mask, 1), torch.from_numpy(np.packbits(mask.numpy(), bitorder="little")))
+
+
+def test_the_torch_codec_gives_numpys_bytes_and_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny payload encoded and decoded both ways: the same wire bytes, the same residual
+    and the same decoded tensor, bit for bit."""
+    results = []
+    for torch_codec in (False, True):
+        monkeypatch.setattr(SparseLoCo, "torch_codec", torch_codec)
+        a, b = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
+        a.inner_steps()
+        b.inner_steps()
+        wire = a.outer_payload()
+        b.outer_payload()
+        results.append((wire, a.codec_state["residual"], SPARSE.decode(wire, a._numels, fill=b._sent_flat)))
+    (wire_np, residual_np, decoded_np), (wire_t, residual_t, decoded_t) = results
+    assert torch.equal(wire_np, wire_t)
+    assert torch.equal(residual_np, residual_t)
+    assert torch.equal(decoded_np.view(torch.int32), decoded_t.view(torch.int32))
 
 
 def test_a_tiny_payload_is_under_3_percent_of_float32s() -> None:
@@ -81,7 +122,7 @@ def test_the_local_baseline_keeps_its_weights_with_a_sparse_payload() -> None:
     assert all(torch.equal(p, q) for p, q in zip(t.theta(), trained, strict=True))
 
 
-def test_phi_travels_one_fragment_a_round_and_the_rest_is_ours() -> None:
+def test_phi_travels_one_fragment_a_round_and_the_rest_is_ours(codec: str) -> None:
     a, b = trainer(0, compression="sparseloco"), trainer(1, compression="sparseloco")
     half = a.payload_numel // 2
     length = -(-half // FRAGMENTS)
@@ -112,7 +153,7 @@ def _honest_pair() -> tuple[Trainer, torch.Tensor]:
     return a, b.outer_payload().clone()
 
 
-def test_a_bit_set_past_the_last_value_is_refused() -> None:
+def test_a_bit_set_past_the_last_value_is_refused(codec: str) -> None:
     numels = [5, 5]  # φ of 5 values, Δ of 5: three spare bits in the bitmap's byte
     flat = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 0.5, -0.25, 0.125, 2.0, -1.0])
     wire, seen = SPARSE.encode(flat, numels)
@@ -143,7 +184,7 @@ def _offsets(t: Trainer) -> tuple[int, int, int, int]:
 
 
 @pytest.mark.parametrize("damage", ["fragment", "one_more", "moved", "short", "inflated", "nan"])
-def test_a_lying_payload_is_refused(damage: str) -> None:
+def test_a_lying_payload_is_refused(damage: str, codec: str) -> None:
     a, wire = _honest_pair()
     a.parse_payload(wire)  # the honest one passes
     bitmap_at, _, magnitudes_at, end = _offsets(a)
@@ -210,3 +251,32 @@ def test_a_chunks_picks_are_its_largest_and_split_in_halves_by_magnitude() -> No
         assert codes[r].tolist() == expected
         assert torch.allclose(upper[r], rows[r, order[: k - k // 2]].abs().mean())
         assert torch.allclose(lower[r], rows[r, order[k - k // 2 : k]].abs().mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the torch codec on the device)")
+def test_on_cuda_the_payload_is_the_cpus_bytes_and_decodes_to_its_numbers() -> None:
+    """The same flat payload encoded on the GPU (selection and packing there) and on the CPU
+    (NumPy's packing): the same bytes and residual; each decoded on the GPU and on the CPU:
+    the same numbers; a lying count is refused on the GPU as on the CPU. Random values: no ties in
+    magnitude, where CPU and GPU top-k could pick differently."""
+    numels = [p.numel() for p in GPT(preset("micro")).parameters()] * 2
+    flat = torch.randn(sum(numels), generator=torch.Generator().manual_seed(5)) * 1e-2
+    cpu_state: dict[str, torch.Tensor] = {}
+    gpu_state: dict[str, torch.Tensor] = {}
+    wire, seen = SPARSE.encode(flat, numels, round_index=3, state=cpu_state)
+    gpu_wire, gpu_seen = SPARSE.encode(flat.cuda(), numels, round_index=3, state=gpu_state)
+    assert gpu_wire.device.type == "cpu" and torch.equal(wire, gpu_wire)
+    assert seen is not None and gpu_seen is not None and torch.equal(seen, gpu_seen.cpu())
+    assert torch.equal(cpu_state["residual"], gpu_state["residual"].cpu())
+    on_cpu = SPARSE.decode(wire, numels, fill=seen)
+    on_gpu = SPARSE.decode(wire.cuda(), numels, fill=gpu_seen)
+    assert on_gpu.device.type == "cuda" and torch.equal(on_cpu.view(torch.int32), on_gpu.cpu().view(torch.int32))
+    half = sum(numels[: len(numels) // 2])
+    length = -(-half // FRAGMENTS)
+    bitmap_at = 4 + length + 4 * -(-length // 256)
+    lying = wire.clone()
+    lying[bitmap_at] = 0 if int(wire[bitmap_at]) else 0xFF  # chunk 0's count of ones changes
+    with pytest.raises(ValueError, match="another number"):
+        SPARSE.decode(lying.cuda(), numels, fill=gpu_seen)
+    with pytest.raises(ValueError, match="another number"):
+        SPARSE.decode(lying, numels, fill=seen)

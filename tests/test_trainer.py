@@ -63,11 +63,14 @@ def test_a_bad_partner_payload_is_rejected_and_the_round_goes_on_alone(damage: s
         payload = payload[:-1]
     else:
         payload = payload.view(torch.float32).double()
-    with pytest.raises(PayloadRejected):
+    with pytest.raises(PayloadRejected, match="NaN or Inf" if damage in ("nan", "inf") else "expected uint8"):
         a.parse_payload(payload)
     reference = trainer(0)
     reference.inner_steps()
     assert a.apply_noloco(payload) is False  # fell back to the no-partner step
+    assert a.last_rejection is not None and a.last_rejection_drifted is False
+    if damage in ("nan", "inf"):  # said as such (its norms would refuse it too, as out of bounds)
+        assert "NaN or Inf" in a.last_rejection
     assert reference.apply_noloco(None) is False
     assert all(torch.equal(x, y) for x, y in zip(a.phi, reference.phi, strict=True))
     assert all(torch.isfinite(p).all() for p in a.model.parameters())
@@ -159,6 +162,28 @@ def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compressio
 
 
 @pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
+@pytest.mark.parametrize("compression", encodings.NAMES)
+def test_export_into_the_outbox_gives_the_payloads_bytes(device: str, compression: str) -> None:
+    """What the worker writes to its outbox (``export_into``: straight from the GPU for a
+    float32 payload) is ``outer_payload``'s bytes, and a partner parses it alike."""
+    torch.manual_seed(0)
+    shard = data.make_shard(TOKENS, context_len=SMALL.context_len, node_index=0, num_nodes=2)
+    t = Trainer(
+        GPT(SMALL), shard, inner=InnerConfig(steps_per_round=3), outer=OuterConfig(), seed=0,
+        compression=compression, device=device,
+    )  # fmt: skip
+    t.inner_steps()
+    outbox = torch.full((t.payload_nbytes,), 0xAB, dtype=torch.uint8)  # poisoned: every byte must be written
+    t.export_into(outbox)
+    assert torch.equal(outbox, t.outer_payload())
+    t.export_into(outbox)  # again in the same round (the encoding's state moves once a round)
+    assert torch.equal(outbox, t.outer_payload())
+
+
+@pytest.mark.parametrize(
     ("poison", "reason"),
     [
         ("delta x -1000", "outer gradient"),
@@ -186,6 +211,27 @@ def test_finite_but_poisoned_payloads_are_refused(poison: str, reason: str) -> N
     assert a.apply_noloco(flat.view(torch.uint8)) is False and a.last_rejection is not None
     assert a.last_rejection_drifted is False  # an attack: its sender is banned
     assert all(bool(torch.isfinite(p).all()) for p in a.phi)
+
+
+def test_a_step_that_overflows_with_the_partner_is_taken_alone() -> None:
+    """A payload within the bounds whose mean with ours overflows (our φ at 3e38 there, its
+    the same: (a + b) / 2 is inf) is not used: the round's step is the no-partner one,
+    whose φ stays finite, and the refusal says why."""
+    a = trainer(0)
+    with torch.no_grad():
+        for t in (a.phi[0], next(a.model.parameters())):
+            t.view(-1)[7] = 3e38
+    reference = trainer(0)
+    with torch.no_grad():
+        for t in (reference.phi[0], next(reference.model.parameters())):
+            t.view(-1)[7] = 3e38
+    own = a.outer_payload().clone()  # a partner just like us: within every bound
+    assert a.apply_noloco(own) is False
+    assert a.last_rejection == "the outer step with its payload gives non-finite weights"
+    assert reference.apply_noloco(None) is False
+    assert all(torch.equal(x, y) for x, y in zip(a.phi, reference.phi, strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in a.phi)
+    assert float(a.phi[0].view(-1)[7]) == float(torch.tensor(3e38))
 
 
 def partner_payload(*, delta_times: float, updates_away: float) -> tuple[Trainer, torch.Tensor]:

@@ -30,6 +30,14 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def all_finite_each(tensors: Iterable[torch.Tensor]) -> bool:
     """``all_finite`` of every tensor, with one wait for the device instead of one each."""
+    return all(bool(flag) for flag in finite_flags(tensors))
+
+
+def finite_flags(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The verdicts of ``all_finite_each`` not read yet: one 0-d bool tensor per device and
+    dtype among ``tensors``, on that device, true where every value is finite (a caller
+    with more to read from the device reads them with it)."""
+    flags = []
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
@@ -42,6 +50,5 @@ def all_finite_each(tensors: Iterable[torch.Tensor]) -> bool:
             values = [extreme for t in group for extreme in torch.aminmax(t)]
         else:
             values = list(torch._foreach_norm(group, 1))
-        if not bool(torch.isfinite(torch.stack(values)).all()):
-            return False
-    return True
+        flags.append(torch.isfinite(torch.stack(values)).all())
+    return flags

@@ -76,17 +76,31 @@ def check_partner(
     (the furthest, not the first: whether it bans depends on how far). ``scale``: our Δ
     took 1/scale of a round's steps (a node catching up takes fewer: the partner's Δ over a
     whole round was 6.6× ours at 3 of 10 steps, a second reader measured, against 2.2× at
-    10), so the reference is ours × scale."""
-    numels = [d.numel() for d in delta]
+    10), so the reference is ours × scale. ``partner_norms`` then ``judge_partner``: a
+    caller with more to read from the device reads the norms with it (training/trainer.py)."""
+    if delta:
+        judge_partner(partner_norms(phi, delta, peer).tolist(), [d.numel() for d in delta], bounds, scale=scale)
+
+
+def partner_norms(phi: Params, delta: Params, peer: "PeerTensors") -> torch.Tensor:
+    """What ``judge_partner`` judges by, on the device and not read (on a GPU each read is a
+    wait for the device): the 2-norms of our Δ's tensors, of the partner's Δ's, and of its
+    φ's distance from ours, one list op each (~450 launches a round for gpt-125m before,
+    ~11 ms of the host's time on the H200), stacked into one float32 vector."""
+    groups = ([d.float() for d in delta], [t.float() for t in peer.delta], _differences(peer.phi, phi))
+    return torch.stack([norm.float() for group in groups for norm in torch._foreach_norm(group)])
+
+
+def judge_partner(norms: Sequence[float], numels: Sequence[int], bounds: PartnerBounds, *, scale: float) -> None:
+    """``check_partner``'s verdict from ``partner_norms``, read (three norms a tensor)."""
+    count = len(numels)
+    if len(norms) != 3 * count:
+        raise ValueError(f"{len(norms)} norms for {count} tensors")
+    ours, their_deltas, phi_gaps = norms[:count], norms[count : 2 * count], norms[2 * count :]
     total_numel = sum(numels)
-    # Every norm computed first and read once (on a GPU each read is a wait for the device:
-    # three per tensor, ~450 a round for gpt-125m).
-    norms, their_deltas, phi_gaps = _norms(
-        [d.float() for d in delta], [t.float() for t in peer.delta], _differences(peer.phi, phi)
-    )
-    total = math.sqrt(sum(n * n for n in norms))
+    total = math.sqrt(sum(n * n for n in ours))
     worst: tuple[float, str] | None = None  # (how many bounds away, why)
-    for k, (d_norm, n_k, their_delta, phi_gap) in enumerate(zip(norms, numels, their_deltas, phi_gaps, strict=True)):
+    for k, (d_norm, n_k, their_delta, phi_gap) in enumerate(zip(ours, numels, their_deltas, phi_gaps, strict=True)):
         ref = scale * max(d_norm, total * math.sqrt(n_k / total_numel)) if total_numel else 0.0
         for value, bound, why in (
             (their_delta, bounds.max_delta_ratio, "its outer gradient is {:.3g}× ours"),
@@ -110,21 +124,6 @@ def _differences(a: Params, b: Params) -> Params:
     if all(x.dtype == y.dtype == torch.float32 and x.device == y.device for x, y in zip(a, b, strict=True)):
         return list(torch._foreach_sub(a, b))
     return [(x - y).float() for x, y in zip(a, b, strict=True)]
-
-
-def _norms(*groups: Params) -> list[list[float]]:
-    """The 2-norm of every tensor of each group, read from the device at once (one list op
-    per group: ~450 launches a round for gpt-125m before, ~11 ms of the host's time on the
-    H200)."""
-    if not any(groups):
-        return [[] for _ in groups]
-    each = [norm for group in groups if group for norm in torch._foreach_norm(group)]
-    values = torch.stack(each).tolist()
-    out, start = [], 0
-    for group in groups:
-        out.append(values[start : start + len(group)])
-        start += len(group)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -395,7 +395,7 @@ def _rounds(
             if command["t"] != "outbox_free" or command.get("round") != round_index:
                 raise ipc.IpcError(f"{command['t']} for round {command.get('round')} while waiting for the outbox")
             trainer.steps_this_round = taken + rest
-            out_view.copy_(trainer.outer_payload())
+            trainer.export_into(out_view)
             compute_s += time.perf_counter() - started
             evaluated = time.perf_counter()
             val_loss = trainer.val_loss(max_batches=VAL_BATCHES, max_rows=val_rows(round_index, config))
