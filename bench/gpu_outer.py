@@ -78,11 +78,12 @@ def one_round(
     took["export"] = timed(device, lambda: trainer.export_into(out_view))  # as the worker does
     in_view.copy_(out_view)
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
+    # The reference before the checkpoint: its copy out (a stream of its own) would share the bus.
+    flat = trainer._exact_flat().view(torch.uint8)  # the payload's bytes where they are made
+    took["pinned_copy"] = timed(device, lambda: pinned.copy_(flat, non_blocking=True))
     took["outer"] = timed(device, lambda: noloco.outer(trainer, {"peer": True}, in_view, {}))
     state, meta = trainer.state()
     took["checkpoint"] = timed(device, lambda: written.append(saver.save(trainer.round, state, meta)))
-    flat = trainer._exact_flat().view(torch.uint8)  # the payload's bytes where they are made
-    took["pinned_copy"] = timed(device, lambda: pinned.copy_(flat, non_blocking=True))
     return took
 
 

@@ -240,6 +240,8 @@ class TrainingService:
             "sync_wait_s": round(m.sync_wait_s, 3),
             "eval_s": round(m.eval_s, 3),
             "outer_s": round(m.outer_s, 3),
+            "outer_s_rounds": m.outer_s_rounds,
+            "save_wait_s": round(m.save_wait_s, 3),
             "overlapped_steps": m.overlapped_steps,
             "train_wall_s": round(m.train_wall_s, 3),
             "utilization": round(m.compute_s / m.train_wall_s, 4) if m.train_wall_s > 0 else None,

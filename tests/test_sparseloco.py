@@ -165,6 +165,42 @@ def test_a_bit_set_past_the_last_value_is_refused(codec: str) -> None:
         SPARSE.decode(wire, numels, fill=seen)
 
 
+def test_a_bitmap_of_all_ones_is_refused_before_its_positions_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the torch codec (a GPU's), a stranger's bitmap with every value marked is refused
+    by its count of ones, before ``nonzero`` would list 4× an honest payload's positions in
+    the GPU's memory (where running out would end the worker, not refuse the payload)."""
+    monkeypatch.setattr(SparseLoCo, "torch_codec", True)
+    a, wire = _honest_pair()
+    bitmap_at, codes_at, _, _ = _offsets(a)
+    half = a.payload_numel // 2
+    wire[bitmap_at:codes_at] = 0xFF
+    if half % 8:  # no bits past the last value: the count is what must refuse it
+        wire[codes_at - 1] = (1 << (half % 8)) - 1
+
+    def listed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the positions were listed before the count was checked")
+
+    monkeypatch.setattr(torch, "nonzero", listed)
+    with pytest.raises(PayloadRejected, match="another number"):
+        a.parse_payload(wire)
+
+
+def test_a_bad_payload_before_our_own_is_made_is_refused_not_a_crash() -> None:
+    """A compressed outer step needs our payload first (the partner averages it): a program
+    error, raised, but only for a payload that passes; a bad one is refused first, as
+    before the step was queued ahead of the verdict (a second reader's case)."""
+    a, wire = _honest_pair()
+    b = trainer(0, compression="sparseloco")  # never made its payload
+    b.inner_steps()
+    _, _, magnitudes_at, _ = _offsets(a)
+    wire[magnitudes_at : magnitudes_at + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+    assert b.apply_noloco(wire) is False and b.last_rejection == "payload holds NaN or Inf"
+    c = trainer(1, compression="sparseloco")
+    c.inner_steps()
+    with pytest.raises(RuntimeError, match="outer_payload"):
+        c.apply_noloco(_honest_pair()[1])
+
+
 def _chunk_kept(t: Trainer) -> list[int]:
     sizes = []
     for n in t._numels[len(t._numels) // 2 :]:

@@ -100,6 +100,7 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         # How long it waited for our word, and took for the outer step: its own clock.
         wait_s, outer_s = outer.pop("wait_s"), outer.pop("outer_s")
         assert isinstance(wait_s, float) and wait_s >= 0 and isinstance(outer_s, float) and outer_s > 0
+        assert outer.pop("save_wait_s") == 0.0  # no checkpoint here
         # Steps of the next round taken before it: as many as our word took (at most 2 of 5).
         assert outer.pop("overlapped") in (range(3) if round_index < 2 else [0])
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
@@ -246,6 +247,7 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     done = await receive(worker)
     assert isinstance(done.pop("wait_s"), float)
     assert done.pop("outer_s") > 0  # the two accumulated payloads' checks and the outer step
+    assert done.pop("save_wait_s") == 0.0  # no checkpoint here
     assert done.pop("overlapped") == 0  # the run's last round: nothing follows it
     assert done == expected
     await worker.send("stop")
@@ -287,6 +289,37 @@ async def test_a_killed_worker_resumes_from_its_checkpoint(tmp_path: Path, overl
     await again.send("stop")
     with trio.fail_after(TIMEOUT_S):
         assert await again.process.wait() == 0
+
+
+async def test_the_last_rounds_checkpoint_is_on_disk_before_its_outer_done_which_says_the_wait(
+    tmp_path: Path,
+) -> None:
+    """The run's last state is written before the last ``outer_done`` (the daemon offers it
+    as the run's result), and that message says how long the worker waited for the write
+    (``save_wait_s``, part of ``outer_s``); a round before it waits for no write."""
+    path = tmp_path / "run.ckpt"
+    worker = await start_worker(algorithm="local", rounds=2, checkpoint_path=str(path), overlap=0.0)
+    assert (await receive(worker))["t"] == "ready"
+
+    async def next_but_saved() -> dict[str, Any]:  # "saved" reports come when each write ends
+        while (message := await receive(worker))["t"] == "saved":
+            pass
+        return message
+
+    for round_index in range(2):
+        assert (await next_but_saved())["t"] == "round_done"
+        await worker.send("outer_go", round=round_index, peer=False)
+        message = await next_but_saved()
+        assert message["t"] == "outer_done" and message["round"] == round_index
+        waited = message["save_wait_s"]
+        if round_index == 0:
+            assert waited == 0.0
+        else:
+            assert 0.0 < waited <= message["outer_s"]
+            assert checkpoint.load(path)[1]["round"] == 2  # already on disk
+    await worker.send("stop")
+    with trio.fail_after(TIMEOUT_S):
+        assert await worker.process.wait() == 0
 
 
 def kept_aside(folder: Path) -> list[bytes]:

@@ -36,7 +36,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, block: int = BLOCK)
         raise ValueError("expected int8 codes and float32 scales, both flat")
     if len(scales) != -(-len(codes) // block):
         raise ValueError(f"{len(codes)} codes need {-(-len(codes) // block)} scales, got {len(scales)}")
-    if not all_finite(scales) or bool((scales < 0).any()):
+    # Exactly finite, on any device (a GPU's ``all_finite`` is a 1-norm, which refuses
+    # finite scales whose sum overflows: the host's path would take those; scales are few).
+    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise ValueError("scales must be finite and non-negative")
     padded = torch.nn.functional.pad(codes, (0, (-len(codes)) % block)).view(-1, block).to(torch.float32)
     return (padded * scales[:, None]).view(-1)[: len(codes)]

@@ -86,6 +86,9 @@ class BackgroundSaver:
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """(tensor, its snapshot, its buffer) for ``_copy_out``: the snapshots taken on the
         training stream in one list op, then copied out on ``_stream``."""
+        self._no_room = False
+        """A snapshot found no room once: the rest of the run copies over the bus (asking the
+        device's free memory for every tensor of every save would cost the training path)."""
         self._on_training_stream: torch.cuda.Stream | None = None
         """Where copies straight to the buffers were queued since the last write began."""
         self._copied_out: torch.cuda.Event | None = None
@@ -156,7 +159,11 @@ class BackgroundSaver:
             self._thread.join()
             self._thread = None
 
-    close = wait
+    def close(self) -> None:
+        """``wait``, then the device's snapshots are given back."""
+        self.wait()
+        self._on_device.clear()
+        self._pending.clear()
 
     def _copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` into this name's CPU buffer (made again if its shape or dtype changed:
@@ -179,7 +186,10 @@ class BackgroundSaver:
             or (snapshot.device != tensor.device)
         ):
             self._on_device.pop(name, None)
-            snapshot = _room_for(tensor)
+            snapshot = None if self._no_room else _room_for(tensor)
+            if snapshot is None and not self._no_room:
+                self._no_room = True  # asked once: no device snapshots for this run from here
+                logger.info("no room on %s for checkpoint snapshots: copies go over the bus", tensor.device)
         if snapshot is None:
             buffer.copy_(tensor, non_blocking=True)
             self._on_training_stream = torch.cuda.current_stream(tensor.device)
@@ -232,9 +242,12 @@ class BackgroundSaver:
 
 def _room_for(tensor: torch.Tensor) -> torch.Tensor | None:
     """A snapshot buffer like ``tensor`` on its GPU, if a quarter of the device's memory
-    stays free beside it (asked after the first round's inner steps, whose memory torch
-    keeps cached, so the training's own needs are already taken): None otherwise, and the
-    copy goes over the bus on the training stream as before."""
+    stays free beside it: None otherwise, and the copy goes over the bus on the training
+    stream as before. Asked after the first round's inner steps (their memory is in torch's
+    cache), but possibly before the first outer step (a stage), whose peak (a partner's
+    payload, new φ and m: ~4× the model for NoLoCo) the quarter is meant to leave room for.
+    The snapshots cost the checkpoint state's size on the device (2 GB for gpt-125m) for
+    the run (``close`` gives them back)."""
     free, total = torch.cuda.mem_get_info(tensor.device)
     if free - tensor.numel() * tensor.element_size() < total // 4:
         return None

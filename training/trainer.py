@@ -379,6 +379,13 @@ class Trainer:
             self._adopt(phi, momentum, used_peer=False)
             return False
         if self.encoding.lossy and self._sent is None:
+            try:  # a refusal first, as before the step was queued ahead of the verdict
+                self._judge_payload(pending.tolist())
+            except PayloadRejected as exc:
+                self._rejected(exc)
+                phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
+                self._adopt(phi, momentum, used_peer=False)
+                return False
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
         phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
         flags = finite_flags(phi)
@@ -387,6 +394,7 @@ class Trainer:
             self._judge_payload(values[: len(pending)])
         except PayloadRejected as exc:
             self._rejected(exc)
+            del phi, momentum, peer  # the refused step's tensors, before the other step's
             phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
             self._adopt(phi, momentum, used_peer=False)
             return False

@@ -329,6 +329,8 @@ class PayloadRounds:
                     metrics.overlapped_steps += overlapped if type(overlapped) is int and overlapped >= 0 else 0
                     metrics.sync_wait_s += _seconds(message.get("wait_s"))
                     metrics.outer_s += _seconds(message.get("outer_s"))
+                    metrics.outer_s_rounds.append(round(_seconds(message.get("outer_s")), 3))
+                    metrics.save_wait_s += _seconds(message.get("save_wait_s"))
                     if metrics.rounds >= self.ctx.run.rounds:
                         self._finished()
                         await self.linger()

@@ -174,25 +174,29 @@ def save(
     *,
     last: bool,
     held: tuple[int, int] | None = None,
-) -> None:
+) -> float:
     """The state after an outer step (never a non-finite one: the step refuses those
     first), written in the background (training/saver.py), or skipped while the last
     write is still going; the run's last round's is always written, before its
-    ``outer_done``, so the daemon has it when its run is over.
+    ``outer_done``, so the daemon has it when its run is over: the seconds waited for
+    that write are returned (0 in every other round).
     ``held``: the step landed under overlapped steps: (the step count at the round's end,
     the steps taken since); the round's end (AdamW's moments, the overlap's start) was
     staged when it ended (``Trainer.round_end_state``), and a restart takes as many steps
     before it lands the step (``Trainer.restore``)."""
     if saver is None:
-        return
+        return 0.0
     tensors, meta = trainer.state()
     if held is not None:
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
         meta = {**meta, "step": held[0], "overlapped": held[1]}
     meta = {**meta, "round_steps": trainer.next_round_steps}
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()}, must=last)
-    if last:
-        saver.wait()
+    if not last:
+        return 0.0
+    waited = time.perf_counter()
+    saver.wait()
+    return time.perf_counter() - waited
 
 
 def capped_skip(told: object, next_round: int, rounds: int) -> int:
@@ -255,10 +259,11 @@ def _outer_round(
         raise RuntimeError(f"the outer step of round {round_index} left the trainer at round {trainer.round}")
     skipped = capped_skip(command.get("skip"), trainer.round, config.run.rounds)
     trainer.round += skipped
-    save(config, trainer, saver, trainer.round - 1, last=round_index + 1 == config.run.rounds, held=held)
+    save_wait_s = save(config, trainer, saver, trainer.round - 1, last=round_index + 1 == config.run.rounds, held=held)
     ipc.write_blocking(
         replies,
         "outer_done",
+        save_wait_s=save_wait_s,
         round=round_index,
         used_peer=result.used_peer,
         rejected=result.rejected,

@@ -123,29 +123,46 @@ def _unpack_lsb_first(data: torch.Tensor, count: int, bits: int) -> torch.Tensor
     return ((data[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
 
 
+_POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int32)
+"""Ones in each byte value."""
+
+
 def _decode_delta_on(data: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """training/encodings/topk.py ``decode`` with torch where ``data`` is (a GPU's memory):
     (positions of the sent values, ascending; their float32 values), the same numbers, and
     the same refusals (``ValueError``) of a bit set past the last value or a chunk with
-    another count of ones, decided with one read from the device. Every size follows from
-    ``chunks`` (the run's pieces), none from the bytes: the positions found are at most Σc."""
+    another count of ones, decided with two reads from the device. Every size follows from
+    ``chunks`` (the run's pieces), none from the bytes: the positions found are ``kept``."""
     total, kept = sum(chunks), topk.num_kept(chunks)
     if data.dtype != torch.uint8 or data.numel() != topk.nbytes(chunks):
         raise ValueError(f"these chunks' sparse values are {topk.nbytes(chunks)} bytes, got {data.numel()}")
     mask_end = -(-total // 8)
     codes_end = mask_end + -(-2 * kept // 8)
-    mask = _unpack_lsb_first(data[:mask_end], mask_end * 8, 1)
+    if mask_end == 0:
+        return torch.zeros(0, dtype=torch.int64, device=data.device), torch.zeros(0, device=data.device)
+    # First the bitmap's count of ones, from a byte table: a stranger's bitmap of all ones
+    # would make the positions below 4× an honest payload's (8 bytes a value sent), in the
+    # GPU's memory, where running out ends the worker.
+    bitmap = data[:mask_end]
+    ones = torch.index_select(_POPCOUNT.to(data.device), 0, bitmap.int()).sum()
+    # Bits past the last value, in the last byte (none to look at when it is full: a shift
+    # by the width is not done, its result differs between devices).
+    used = total - 8 * (mask_end - 1)
+    past_bits = (bitmap[-1] >> used) != 0 if used < 8 else torch.zeros((), dtype=torch.bool, device=data.device)
+    past, count = torch.stack([past_bits.long(), ones.long()]).tolist()
+    if past:
+        raise ValueError("bits set past the last value")
+    if count != kept:
+        raise ValueError("a chunk sends another number of values than its share")
+    mask = _unpack_lsb_first(bitmap, total, 1)
     codes = _unpack_lsb_first(data[mask_end:codes_end], kept, 2)
     magnitudes = data[codes_end:].clone().view(torch.float32)  # a copy: aligned for the view
     sizes = torch.tensor(chunks, dtype=torch.int64)
     per_chunk = torch.clamp(sizes, max=TOP_K).to(data.device)
-    found = torch.nonzero(mask[:total]).view(-1)  # ascending: chunk by chunk
+    found = torch.nonzero(mask).view(-1)  # ascending, chunk by chunk: exactly ``kept`` of them
     ends = torch.searchsorted(found, torch.cumsum(sizes, 0).to(data.device))
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    past, fits = torch.stack([mask[total:].any(), (counts == per_chunk).all()]).tolist()
-    if past:
-        raise ValueError("bits set past the last value")
-    if not fits:
+    if not bool((counts == per_chunk).all()):
         raise ValueError("a chunk sends another number of values than its share")
     # Each value's magnitude: its chunk's lower (code bit 1 clear) or upper mean; its sign, bit 0.
     which = torch.repeat_interleave(2 * torch.arange(len(chunks), device=data.device), per_chunk) + (codes >> 1)
