@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.net import nat, upnp
+from protocol.net.data_channel import DataChannel
 from protocol.net.host import open_host
 
 DESCRIPTION = b"""<?xml version="1.0"?>
@@ -97,6 +98,35 @@ async def test_the_router_forwards_our_port_and_we_announce_it_until_we_stop() -
             "DeletePortMapping",
             {"NewRemoteHost": "", "NewExternalPort": port, "NewProtocol": "TCP"},
         )
+
+
+async def test_a_data_channels_port_is_forwarded_too_and_unmapped_when_we_stop() -> None:
+    """A node public through UPnP announces its data channel's port to the peers that send
+    to it (NoLoCo payloads, SPES versions): the router forwards that port too, under the same
+    number, asked once however often; without UPnP nothing is asked."""
+    async with FakeGateway().running() as gateway:
+        async with open_host(
+            identity_seed=b"\x23" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[], relay=policy(gateway)
+        ) as host:
+            channel = DataChannel("127.0.0.1")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(channel.run)
+                host.forward_data_port(channel.port)
+                host.forward_data_port(channel.port)  # once is enough
+                with trio.fail_after(10):
+                    while host.nat.status.upnp_data.get(channel.port) != "mapped":
+                        await host.nat.changed.wait()
+                assert host.nat.summary()["upnp_data"] == {str(channel.port): "mapped"}
+                port = str(channel.port)
+                forwarded = [f for a, f in gateway.actions if a == "AddPortMapping" and f["NewExternalPort"] == port]
+                assert len(forwarded) == 1
+                assert forwarded[0]["NewInternalPort"] == port and forwarded[0]["NewProtocol"] == "TCP"
+                nursery.cancel_scope.cancel()
+        removed = [f["NewExternalPort"] for a, f in gateway.actions if a == "DeletePortMapping"]
+        assert str(channel.port) in removed
+    async with open_host(identity_seed=b"\x24" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as plain:
+        plain.forward_data_port(40000)
+        assert plain.nat.status.upnp_data == {}
 
 
 async def test_a_refusing_router_is_reported_and_nothing_is_announced() -> None:

@@ -163,6 +163,7 @@ class PayloadRounds:
                     channel=channel,
                 )
                 await nursery.start(channel.run)
+                self.ctx.host.forward_data_port(channel.port)  # a node public through UPnP: its senders reach it
                 receiver.register()
             await self.serve(nursery)
             await self.supervisor.run()

@@ -278,6 +278,11 @@ class Host:
         """The last addresses libp2p gave (``get_addrs``, ``get_transport_addrs``): see ``_or_last``."""
         self.stuck_connections_closed = 0
 
+    def forward_data_port(self, port: int) -> None:
+        """A data channel listens on ``port`` (protocol/net/data_channel.py): the router
+        forwards it too when UPnP is on (``NatService.map_data_port``)."""
+        self.nat.map_data_port(port)
+
     @property
     def peers(self) -> PeerTable:
         return self.guard.peers

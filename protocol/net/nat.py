@@ -220,6 +220,8 @@ class NatStatus:
     """off, mapping, mapped, unmapped (stopping or renewal failed), or failed: <why>."""
     upnp_addr: str | None = None
     """The router's public address and port forwarded to us, while mapped."""
+    upnp_data: dict[int, str] = field(default_factory=dict)
+    """Our data channels' ports (``map_data_port``) and each one's mapping state, as ``upnp``."""
     translated: str | None = None
     """An IP a dial-back server saw us on that is none of ours (a NAT's), if one did."""
     first_direct_s: float | None = None
@@ -634,6 +636,24 @@ class Nat:
         self.status.upnp, self.status.upnp_addr = state, addr
         self._notify()
 
+    def map_data_port(self, port: int) -> None:
+        """Have the router forward a data channel's TCP port too (protocol/net/data_channel.py),
+        under the same number, when UPnP is on: a node public through UPnP announces that
+        port to the peers that send to it (NoLoCo payloads, SPES expert versions), and
+        without the mapping they could not reach it (each send fell back to libp2p streams
+        after a failed connection). Kept while this service runs; nothing without UPnP."""
+        if not self.policy.upnp or self._nursery is None or self._stopped:
+            return
+        if not 0 < port <= 65535 or port in self.status.upnp_data:
+            return
+        self.status.upnp_data[port] = "mapping"
+
+        def changed(state: str, _addr: str | None) -> None:
+            self.status.upnp_data[port] = state
+            self._notify()
+
+        self._nursery.start_soon(igd.keep_mapped, port, self.policy.ssdp_addr, changed)
+
     # --- relay service ---
 
     def _offering(self) -> bool:
@@ -915,6 +935,7 @@ class Nat:
             "reservations": {r.relay: r.circuit_addr for r in s.reservations.values()},
             "upnp": s.upnp,
             "upnp_addr": s.upnp_addr,
+            "upnp_data": {str(port): state for port, state in s.upnp_data.items()},
             "translated": s.translated,
             "first_direct_s": s.first_direct_s,
             "punch_retries": dict(s.punch_retries),
