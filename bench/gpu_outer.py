@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def one_round(
     took["import"] = timed(device, lambda: trainer.parse_payload(in_view))
     # The reference before the checkpoint: its copy out (a stream of its own) would share the bus.
     flat = trainer._exact_flat().view(torch.uint8)  # the payload's bytes where they are made
-    took["pinned_copy"] = timed(device, lambda: pinned.copy_(flat, non_blocking=True))
+    took["pinned_copy"] = timed(device, partial(pinned.copy_, flat, non_blocking=True))
+    del flat  # the worker holds no such copy through its outer step and checkpoint
     took["outer"] = timed(device, lambda: noloco.outer(trainer, {"peer": True}, in_view, {}))
     state, meta = trainer.state()
     took["checkpoint"] = timed(device, lambda: written.append(saver.save(trainer.round, state, meta)))

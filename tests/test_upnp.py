@@ -122,8 +122,17 @@ async def test_a_data_channels_port_is_forwarded_too_and_unmapped_when_we_stop()
                 assert len(forwarded) == 1
                 assert forwarded[0]["NewInternalPort"] == port and forwarded[0]["NewProtocol"] == "TCP"
                 nursery.cancel_scope.cancel()
-        removed = [f["NewExternalPort"] for a, f in gateway.actions if a == "DeletePortMapping"]
-        assert str(channel.port) in removed
+            # The channel closed: its forward goes now, not when the host stops (the port is
+            # the OS's to give to another process next).
+            host.unforward_data_port(channel.port)
+            with trio.fail_after(10):
+                while channel.port in host.nat.status.upnp_data:
+                    await host.nat.changed.wait()
+            removed = [f["NewExternalPort"] for a, f in gateway.actions if a == "DeletePortMapping"]
+            assert removed == [port]
+            host.unforward_data_port(channel.port)  # again: nothing
+        # The host's own port goes when it stops; the data port's was gone already, once.
+        assert [f["NewExternalPort"] for a, f in gateway.actions if a == "DeletePortMapping"].count(port) == 1
     async with open_host(identity_seed=b"\x24" * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[]) as plain:
         plain.forward_data_port(40000)
         assert plain.nat.status.upnp_data == {}

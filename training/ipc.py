@@ -21,13 +21,15 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      than H while peers are ahead; skip: rounds to leave
                                      out, the next round that much later, NoLoCo)
                                  ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     wait_s, outer_s, overlapped, skipped}
+                                     wait_s, outer_s, save_wait_s, overlapped, skipped}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
                                      with a ban unless drifted: not far past the bounds;
                                      wait_s: how long the worker waited for these commands;
                                      outer_s: its outer step, the payload's check and the
-                                     checkpoint's staging; eval_s: its validation.
+                                     checkpoint's staging; save_wait_s: of outer_s, the
+                                     run's last round's wait for its checkpoint write (0
+                                     before it); eval_s: its validation.
                                      With outer.overlap the worker takes the next round's
                                      steps until they come (at most its share of the round):
                                      overlapped says how many; its next inner_done comes

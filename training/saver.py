@@ -189,7 +189,7 @@ class BackgroundSaver:
             snapshot = None if self._no_room else _room_for(tensor)
             if snapshot is None and not self._no_room:
                 self._no_room = True  # asked once: no device snapshots for this run from here
-                logger.info("no room on %s for checkpoint snapshots: copies go over the bus", tensor.device)
+                logger.info("no room on %s for more checkpoint snapshots: new ones go over the bus", tensor.device)
         if snapshot is None:
             buffer.copy_(tensor, non_blocking=True)
             self._on_training_stream = torch.cuda.current_stream(tensor.device)

@@ -383,6 +383,7 @@ class Trainer:
                 self._judge_payload(pending.tolist())
             except PayloadRejected as exc:
                 self._rejected(exc)
+                del peer, pending  # the refused payload's tensors, before the step's
                 phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
                 self._adopt(phi, momentum, used_peer=False)
                 return False
@@ -401,6 +402,7 @@ class Trainer:
         if not all(values[len(pending) :]):
             # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
             self.last_rejection = "the outer step with its payload gives non-finite weights"
+            del phi, momentum, peer  # the dropped step's tensors, before the other step's
             phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
             self._adopt(phi, momentum, used_peer=False)
             return False

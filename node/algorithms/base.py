@@ -37,8 +37,9 @@ class TrainingMetrics:
     outer_s: float = 0.0
     """Outer steps, a partner payload's decoding and check and the checkpoint's staging
     included, as the worker timed them (``outer_done``'s ``outer_s``)."""
-    outer_s_rounds: list[float] = field(default_factory=list)
-    """Each round's ``outer_s`` (ms resolution), in the order the outer steps came."""
+    outer_s_rounds: list[list[float]] = field(default_factory=list)
+    """[round, its ``outer_s`` (ms resolution)] for each outer step, in the order they came
+    (rounds a restarted worker does again are dropped first, as the loss curve's are)."""
     save_wait_s: float = 0.0
     """Of ``outer_s``: the wait for the run's last checkpoint write, which the worker makes
     before its last ``outer_done`` (``outer_done``'s ``save_wait_s``)."""

@@ -71,6 +71,8 @@ class PayloadRounds:
         self.not_from: set[str] = set()
         """Peers whose state a resync does not take (their payloads were refused as too far)."""
         self.resyncs = 0
+        self._forwarded: list[int] = []
+        """Our data channels' ports a node public through UPnP has forwarded (``forward_data_port``)."""
         self._curve_rounds: list[int] = []
         """The round of each point of the loss curve (a skipped round has none)."""
         self._skips: list[tuple[int, int]] = []
@@ -151,6 +153,20 @@ class PayloadRounds:
         self.states.register()
         self._late = await self._anyone_ahead()
         self.joining(self._late)  # from now: our worker builds its model before ``_join``
+        try:
+            await self._train(inbox)
+        finally:
+            for port in self._forwarded:  # the channels closed with the nursery: so do their forwards
+                self.ctx.host.unforward_data_port(port)
+            self._forwarded.clear()
+
+    def forward_data_port(self, port: int) -> None:
+        """A data channel of ours listens on ``port`` for as long as ``train`` runs: a node
+        public through UPnP has the router forward it (its senders reach it), until then."""
+        self._forwarded.append(port)
+        self.ctx.host.forward_data_port(port)
+
+    async def _train(self, inbox: "Inbox | None") -> None:
         async with trio.open_nursery() as nursery:
             if inbox is not None:
                 channel = DataChannel(*self.ctx.listen_ips)
@@ -163,7 +179,7 @@ class PayloadRounds:
                     channel=channel,
                 )
                 await nursery.start(channel.run)
-                self.ctx.host.forward_data_port(channel.port)  # a node public through UPnP: its senders reach it
+                self.forward_data_port(channel.port)
                 receiver.register()
             await self.serve(nursery)
             await self.supervisor.run()
@@ -286,6 +302,7 @@ class PayloadRounds:
         kept = sum(1 for r in self._curve_rounds if r < worker.start_round)
         del metrics.loss_curve[kept:], self._curve_rounds[kept:]
         self._skips = [(r, k) for r, k in self._skips if r < worker.start_round]
+        metrics.outer_s_rounds[:] = [entry for entry in metrics.outer_s_rounds if entry[0] < worker.start_round]
         if worker.start_round >= self.ctx.run.rounds:
             return
         self.ready(worker)
@@ -330,7 +347,7 @@ class PayloadRounds:
                     metrics.overlapped_steps += overlapped if type(overlapped) is int and overlapped >= 0 else 0
                     metrics.sync_wait_s += _seconds(message.get("wait_s"))
                     metrics.outer_s += _seconds(message.get("outer_s"))
-                    metrics.outer_s_rounds.append(round(_seconds(message.get("outer_s")), 3))
+                    metrics.outer_s_rounds.append([int(message["round"]), round(_seconds(message.get("outer_s")), 3)])
                     metrics.save_wait_s += _seconds(message.get("save_wait_s"))
                     if metrics.rounds >= self.ctx.run.rounds:
                         self._finished()

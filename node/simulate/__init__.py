@@ -20,7 +20,7 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          (payloads), "wire_bytes_sent", "wire_bytes_received" (every byte on TCP),
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s"
          (validation), "outer_s" (outer steps with the partner payload's check and the
-         checkpoint's staging), "outer_s_rounds" (each round's), "save_wait_s" (of
+         checkpoint's staging), "outer_s_rounds" ([round, outer_s] each), "save_wait_s" (of
          outer_s: the wait for the run's last checkpoint write), "overlapped_steps"
          (inner steps taken before a round's outer step landed: outer.overlap),
          "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",

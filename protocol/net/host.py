@@ -280,8 +280,12 @@ class Host:
 
     def forward_data_port(self, port: int) -> None:
         """A data channel listens on ``port`` (protocol/net/data_channel.py): the router
-        forwards it too when UPnP is on (``NatService.map_data_port``)."""
+        forwards it too when UPnP is on (``Nat.map_data_port``), until ``unforward_data_port``."""
         self.nat.map_data_port(port)
+
+    def unforward_data_port(self, port: int) -> None:
+        """The data channel on ``port`` closed: its forward goes (``Nat.unmap_data_port``)."""
+        self.nat.unmap_data_port(port)
 
     @property
     def peers(self) -> PeerTable:

@@ -442,6 +442,8 @@ class Nat:
         """Redials per lost relayed peer (forgotten once it is back)."""
         self._started_at = 0.0
         self._nursery: trio.Nursery | None = None
+        self._data_mappings: dict[int, trio.CancelScope] = {}
+        """Data channels' ports kept forwarded by UPnP (``map_data_port``), each its task's scope."""
         self._stopped = False
         limits = policy.libp2p_limits()
         self._circuit = CircuitV2Protocol(raw_host, limits=limits, allow_hop=False)
@@ -641,18 +643,34 @@ class Nat:
         under the same number, when UPnP is on: a node public through UPnP announces that
         port to the peers that send to it (NoLoCo payloads, SPES expert versions), and
         without the mapping they could not reach it (each send fell back to libp2p streams
-        after a failed connection). Kept while this service runs; nothing without UPnP."""
+        after a failed connection). Kept until ``unmap_data_port`` (the channel closed) or
+        this service stops; nothing without UPnP."""
         if not self.policy.upnp or self._nursery is None or self._stopped:
             return
-        if not 0 < port <= 65535 or port in self.status.upnp_data:
+        if not 0 < port <= 65535 or port in self._data_mappings:
             return
+        scope = trio.CancelScope()
+        self._data_mappings[port] = scope
         self.status.upnp_data[port] = "mapping"
+        self._nursery.start_soon(self._keep_data_port, port, scope)
 
+    def unmap_data_port(self, port: int) -> None:
+        """The channel on ``port`` closed: the router's forward of it goes (an ephemeral port
+        another process may take next must not stay reachable from outside)."""
+        scope = self._data_mappings.pop(port, None)
+        if scope is not None:
+            scope.cancel()
+
+    async def _keep_data_port(self, port: int, scope: trio.CancelScope) -> None:
         def changed(state: str, _addr: str | None) -> None:
-            self.status.upnp_data[port] = state
-            self._notify()
+            if port in self.status.upnp_data:
+                self.status.upnp_data[port] = state
+                self._notify()
 
-        self._nursery.start_soon(igd.keep_mapped, port, self.policy.ssdp_addr, changed)
+        with scope:
+            await igd.keep_mapped(port, self.policy.ssdp_addr, changed)
+        self.status.upnp_data.pop(port, None)  # removed from the router (keep_mapped's finally)
+        self._notify()
 
     # --- relay service ---
 

@@ -191,12 +191,12 @@ def save(
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
         meta = {**meta, "step": held[0], "overlapped": held[1]}
     meta = {**meta, "round_steps": trainer.next_round_steps}
+    began = time.perf_counter()
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()}, must=last)
     if not last:
         return 0.0
-    waited = time.perf_counter()
-    saver.wait()
-    return time.perf_counter() - waited
+    saver.wait()  # the last round's save waited for the write before it too: all of it counts
+    return time.perf_counter() - began
 
 
 def capped_skip(told: object, next_round: int, rounds: int) -> int:

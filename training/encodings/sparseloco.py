@@ -125,6 +125,15 @@ def _unpack_lsb_first(data: torch.Tensor, count: int, bits: int) -> torch.Tensor
 
 _POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int32)
 """Ones in each byte value."""
+_POPCOUNT_ON: dict[torch.device, torch.Tensor] = {}
+"""``_POPCOUNT`` on each device it was needed on (a copy there each decode would wait for
+the stream: the payload's copy queued before it)."""
+
+
+def _popcount_on(device: torch.device) -> torch.Tensor:
+    if device not in _POPCOUNT_ON:
+        _POPCOUNT_ON[device] = _POPCOUNT.to(device)
+    return _POPCOUNT_ON[device]
 
 
 def _decode_delta_on(data: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +153,7 @@ def _decode_delta_on(data: torch.Tensor, chunks: list[int]) -> tuple[torch.Tenso
     # would make the positions below 4× an honest payload's (8 bytes a value sent), in the
     # GPU's memory, where running out ends the worker.
     bitmap = data[:mask_end]
-    ones = torch.index_select(_POPCOUNT.to(data.device), 0, bitmap.int()).sum()
+    ones = torch.index_select(_popcount_on(data.device), 0, bitmap.int()).sum()
     # Bits past the last value, in the last byte (none to look at when it is full: a shift
     # by the width is not done, its result differs between devices).
     used = total - 8 * (mask_end - 1)

@@ -95,7 +95,7 @@ class Spes(Noloco):
     async def serve(self, nursery: trio.Nursery) -> None:
         await super().serve(nursery)
         await nursery.start(self.channel.run)  # listening before the first fetch offers it
-        self.ctx.host.forward_data_port(self.channel.port)  # a node public through UPnP: holders reach it
+        self.forward_data_port(self.channel.port)  # a node public through UPnP: holders reach it
         self.store.register()
         nursery.start_soon(self.store.sync_forever, self.ctx.partners, self._wanted)
 
