@@ -125,14 +125,20 @@ def params_keys(halves: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return torch.stack([ka, _mix(ka ^ KEY_SALT)], dim=1)
 
 
-def _mix_np(x: np.ndarray) -> np.ndarray:
-    """``mix`` on a uint32 array (NumPy's uint32 multiply wraps mod 2**32)."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * np.uint32(C1)
-    x = x ^ (x >> np.uint32(15))
-    x = x * np.uint32(C2)
-    mixed: np.ndarray = x ^ (x >> np.uint32(16))
-    return mixed
+_C1, _C2 = np.uint32(C1), np.uint32(C2)
+
+
+def mix_inplace(x: np.ndarray, spare: np.ndarray) -> None:
+    """``mix`` on a uint32 array, in place (NumPy's uint32 multiply wraps mod 2**32);
+    ``spare``: a uint32 array of x's shape for the shifts."""
+    np.right_shift(x, 16, out=spare)
+    x ^= spare
+    x *= _C1
+    np.right_shift(x, 15, out=spare)
+    x ^= spare
+    x *= _C2
+    np.right_shift(x, 16, out=spare)
+    x ^= spare
 
 
 def params_keys_host(seeds: Sequence[int], first: int, count: int) -> np.ndarray:
@@ -144,12 +150,17 @@ def params_keys_host(seeds: Sequence[int], first: int, count: int) -> np.ndarray
         raise ValueError(f"parameter indices must lie in [0, 2**32), got [{first}, {first + count})")
     if not all(0 <= seed < 1 << 64 for seed in seeds):
         raise ValueError("seeds must be in [0, 2**64)")
-    with np.errstate(over="ignore"):
-        high = np.array([seed >> 32 for seed in seeds], dtype=np.uint32)
-        low = np.array([seed & M32 for seed in seeds], dtype=np.uint32)
-        ka = _mix_np(_mix_np(_salts(first, count)[:, None] ^ high[None, :]) ^ low[None, :])
-        keys: np.ndarray = np.stack([ka, _mix_np(ka ^ np.uint32(KEY_SALT))], axis=1)
-        return keys
+    high = np.array([seed >> 32 for seed in seeds], dtype=np.uint32)
+    low = np.array([seed & M32 for seed in seeds], dtype=np.uint32)
+    ka = _salts(first, count)[:, None] ^ high[None, :]
+    spare = np.empty_like(ka)
+    mix_inplace(ka, spare)
+    ka ^= low[None, :]
+    mix_inplace(ka, spare)
+    kb = ka ^ np.uint32(KEY_SALT)
+    mix_inplace(kb, spare)
+    keys: np.ndarray = np.stack([ka, kb], axis=1)
+    return keys
 
 
 @functools.lru_cache(maxsize=16)

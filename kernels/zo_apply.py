@@ -167,19 +167,7 @@ def apply_reference(
                 segment -= acc
 
 
-def _mix_inplace(x: np.ndarray, spare: np.ndarray) -> None:
-    """kernels/rng.py's mix on uint32 arrays, in place (NumPy's uint32 multiply wraps mod 2**32)."""
-    np.right_shift(x, 16, out=spare)
-    x ^= spare
-    x *= _C1
-    np.right_shift(x, 15, out=spare)
-    x ^= spare
-    x *= _C2
-    np.right_shift(x, 16, out=spare)
-    x ^= spare
-
-
-_C1, _C2, _SIGN = np.uint32(rng.C1), np.uint32(rng.C2), np.uint32(0x80000000)
+_SIGN = np.uint32(0x80000000)
 
 
 @torch.no_grad()
@@ -236,9 +224,9 @@ def _apply_cpu_one(
             acc.fill(0.0)
             for k in range(begin, end):
                 np.bitwise_xor(index, kas[k], out=h)
-                _mix_inplace(h, spare)
+                rng.mix_inplace(h, spare)
                 h += kbs[k]
-                _mix_inplace(h, spare)
+                rng.mix_inplace(h, spare)
                 if version == 1:
                     np.bitwise_and(h, _SIGN, out=sign)
                 else:
