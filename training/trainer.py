@@ -375,18 +375,14 @@ class Trainer:
             except PayloadRejected as exc:
                 self._rejected(exc)
         if peer is None:
-            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
-            self._adopt(phi, momentum, used_peer=False)
-            return False
+            return self._step_alone()
         if self.encoding.lossy and self._sent is None:
             try:  # a refusal first, as before the step was queued ahead of the verdict
                 self._judge_payload(pending.tolist())
             except PayloadRejected as exc:
                 self._rejected(exc)
                 del peer, pending  # the refused payload's tensors, before the step's
-                phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
-                self._adopt(phi, momentum, used_peer=False)
-                return False
+                return self._step_alone()
             raise RuntimeError("a compressed outer step needs outer_payload() first: the partner averages it")
         phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, peer, self.outer, sent=self._sent)
         flags = finite_flags(phi)
@@ -396,18 +392,20 @@ class Trainer:
         except PayloadRejected as exc:
             self._rejected(exc)
             del phi, momentum, peer  # the refused step's tensors, before the other step's
-            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
-            self._adopt(phi, momentum, used_peer=False)
-            return False
+            return self._step_alone()
         if not all(values[len(pending) :]):
             # Within the bounds and still non-finite (an overflow): the partner's share is dropped.
             self.last_rejection = "the outer step with its payload gives non-finite weights"
             del phi, momentum, peer  # the dropped step's tensors, before the other step's
-            phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
-            self._adopt(phi, momentum, used_peer=False)
-            return False
+            return self._step_alone()
         self._adopt(phi, momentum, used_peer=True, finite=True)
         return True
+
+    def _step_alone(self) -> bool:
+        """The no-partner step (no payload, or its step refused): False, the partner unused."""
+        phi, momentum = noloco_step(self.phi, self.theta(), self.momentum, None, self.outer)
+        self._adopt(phi, momentum, used_peer=False)
+        return False
 
     def _rejected(self, exc: "PayloadRejected") -> None:
         self.last_rejection = str(exc)

@@ -278,7 +278,6 @@ class SparseLoCo:
 
     def decode(self, wire: torch.Tensor, numels: list[int], *, fill: torch.Tensor | None = None) -> torch.Tensor:
         length, phi_nbytes, chunks, _ = _layout(numels)
-        half = sum(numels[: len(numels) // 2])
         if wire.dtype != torch.uint8 or wire.dim() != 1 or wire.numel() != self.nbytes(numels):
             raise ValueError(f"a sparseloco payload of these pieces is {self.nbytes(numels)} bytes")
         if fill is None or fill.numel() != sum(numels):
@@ -302,38 +301,44 @@ class SparseLoCo:
         phi_scales = torch.from_numpy(take(phi_nbytes - length).view("<f4"))
         # The Δ sections, as training/encodings/topk.py lays them out (and checks them).
         found, sent, _ = topk.decode(take(topk.nbytes(chunks)), chunks)
-        positions = torch.from_numpy(found)
-        values = torch.from_numpy(sent)
-        out = torch.empty(sum(numels), dtype=torch.float32, device=fill.device)
-        out[:half] = fill[:half]
-        start = fragment * length
-        known = max(0, min(length, half - start))
-        out[start : start + known] = dequantize(phi_codes, phi_scales)[:known].to(out.device)
-        delta = torch.zeros(sum(numels) - half, dtype=torch.float32)
-        delta[positions] = values
-        out[half:] = delta.to(out.device)
-        return out
+        phi = dequantize(phi_codes, phi_scales)
+        return _assemble(numels, fill, fragment, phi, torch.from_numpy(found), torch.from_numpy(sent))
 
     def _decode_on(self, wire: torch.Tensor, numels: list[int], fill: torch.Tensor) -> torch.Tensor:
         """``decode`` where ``fill`` is (a GPU: the payload parsed in its memory), the same
         numbers and refusals as the host's NumPy path (tests/test_sparseloco.py)."""
         length, phi_nbytes, chunks, _ = _layout(numels)
-        half = sum(numels[: len(numels) // 2])
         fragment = int(wire[:4].clone().view(torch.int32).item())
         if not 0 <= fragment < FRAGMENTS:
             raise ValueError(f"fragment {fragment} is not one of 0..{FRAGMENTS - 1}")
         phi_codes = wire[4 : 4 + length].view(torch.int8)
         phi_scales = wire[4 + length : 4 + phi_nbytes].clone().view(torch.float32)  # a copy: aligned for the view
         positions, values = _decode_delta_on(wire[4 + phi_nbytes :], chunks)
-        out = torch.empty(sum(numels), dtype=torch.float32, device=fill.device)
-        out[:half] = fill[:half]
-        start = fragment * length
-        known = max(0, min(length, half - start))
-        out[start : start + known] = dequantize(phi_codes, phi_scales)[:known]
-        delta = out[half:]
-        delta.zero_()
-        delta[positions] = values
-        return out
+        return _assemble(numels, fill, fragment, dequantize(phi_codes, phi_scales), positions, values)
+
+
+def _assemble(
+    numels: list[int],
+    fill: torch.Tensor,
+    fragment: int,
+    phi: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """The decoded payload on ``fill``'s device: our own φ as sent, the partner's on its
+    fragment (``phi``, dequantized: zeros past N), its Δ's sent ``values`` at ``positions``
+    and zeros elsewhere (both decoders: NumPy's and torch's)."""
+    length = _fragment_len(numels)
+    half = sum(numels[: len(numels) // 2])
+    out = torch.empty(sum(numels), dtype=torch.float32, device=fill.device)
+    out[:half] = fill[:half]
+    start = fragment * length
+    known = max(0, min(length, half - start))
+    out[start : start + known] = phi[:known].to(out.device)
+    delta = out[half:]
+    delta.zero_()
+    delta[positions.to(out.device)] = values.to(out.device)
+    return out
 
 
 ENCODING = SparseLoCo()
