@@ -13,15 +13,18 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from multiaddr import Multiaddr
 
 from node.algorithms.noloco.pairing import Pairing
 from protocol import wire
 from protocol.errors import ProtocolError
 from protocol.net import dialback, exchange, nat
 from protocol.net import host as host_module
+from protocol.net.conns import parse_peer_id, socket_stream_of
 from protocol.net.exchange import Payload, TensorReceiver, TensorSpec, any_transfer
 from protocol.net.host import Host, PeerAddrs, Stream, open_host, parse_dial_addr
 from protocol.ratelimit import RateLimit
+from protocol.runstate.info import PROTOCOL_ID as INFO_PROTOCOL
 from protocol.runstate.info import NodeInfo, ask_info, serve_info
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
@@ -118,6 +121,29 @@ async def test_peers_reach_a_private_node_through_the_relay_for_control_traffic(
         assert b.connection_type(a.peer_id) == "relayed"
         assert a.connection_type(relay.peer_id) == "direct"
         assert a.nat.connection_types() == {relay.peer_id: "direct", b.peer_id: "relayed"}
+
+
+async def test_new_streams_take_the_direct_connection_once_there_is_one() -> None:
+    """After a hole punch the relayed connection stays open for DCUtR's grace (60 s) beside
+    the direct one, often with more streams on it. The direct-only tensor policy asks
+    whether a direct connection exists; the bytes then go where libp2p opens the stream,
+    which must be the direct connection (0.8.1 types connections and prefers direct ones
+    over more streams: what this pins)."""
+    async with relay_and_two_private() as (_, a, b):
+        serve_info(b, NodeInfo(b.peer_id, "trainer", ("run-abcdef",), "test"))
+        await a.connect(circuit_only(b), timeout_s=10)
+        held = [await a.open_stream(b.peer_id, INFO_PROTOCOL, timeout_s=10) for _ in range(3)]
+        network = a._host.get_network()
+        (relayed,) = network.connections[parse_peer_id(b.peer_id)]
+        direct_addr = next(x for x in b.transport_addrs() if not nat.is_circuit(x))
+        direct = await network.dial_addr(Multiaddr(direct_addr), parse_peer_id(b.peer_id))
+        assert socket_stream_of(direct) is not None and socket_stream_of(relayed) is None
+        assert len(relayed.get_streams()) > len(direct.get_streams())  # what libp2p's own rule went by
+        assert a.connection_type(b.peer_id) == "direct"
+        stream = await a.open_stream(b.peer_id, INFO_PROTOCOL, timeout_s=10)
+        assert stream._raw.muxed_conn is direct.muxed_conn
+        for opened in [*held, stream]:
+            await opened.close()
 
 
 async def test_a_dial_falls_back_to_the_relays_we_hold_slots_on() -> None:

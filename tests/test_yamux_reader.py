@@ -1,4 +1,5 @@
-"""Yamux's frame reader never waits for the write lock (protocol/net/libp2p_fixes.py, fix 4).
+"""Yamux on a real connection: its frame reader never waits for the write lock (protocol/net/libp2p_fixes.py, fix 4),
+and the receive window is credited back in halves, not per read (fix 10).
 
 Two real hosts on loopback with small socket buffers. Both connection readers are held
 (a gate in front of their reads: the moment a reader is not scheduled on a saturated
@@ -10,6 +11,7 @@ on it, and a fresh connection works (measured: 0 of 1 MiB moved each way in 60 s
 """
 
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +19,7 @@ import libp2p.stream_muxer.yamux.yamux as yamux_module
 import pytest
 import trio
 import trio.testing
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
 
 from protocol.net.conns import parse_peer_id
 from protocol.net.host import Host, open_host, parse_dial_addr
@@ -172,3 +175,90 @@ async def test_a_stream_reset_behind_a_held_write_lock_does_not_wait_for_it() ->
         with trio.fail_after(BOUND_S):  # the connection still works
             again = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
             await again.write(b"ping")
+
+
+MESSAGES = 64
+MESSAGE_NBYTES = 1024
+
+
+async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Request and answer, 64 times: 64 KiB read by the server, 64 bytes by the client.
+    0.8.1 sent a WINDOW_UPDATE per read (fix 10: 38 frames from each end here, each a Noise
+    seal and a write, through both legs of a relay on a relayed connection). Now an end
+    sends one per half window read and not yet credited: none here (the window grows only
+    with an update, so it is still its first 256 KiB)."""
+    updates: dict[int, int] = {}  # id(yamux stream) -> frames it sent
+    send_window_update = yamux_module.YamuxStream.send_window_update
+
+    async def counted(self: Any, increment: int, skip_lock: bool = False) -> None:
+        updates[id(self)] = updates.get(id(self), 0) + 1
+        await send_window_update(self, increment, skip_lock=skip_lock)
+
+    monkeypatch.setattr(yamux_module.YamuxStream, "send_window_update", counted)
+    ends: list[Any] = []
+
+    async def answer(stream: Any) -> None:
+        ends.append(stream._raw.muxed_stream)
+        for _ in range(MESSAGES):
+            await stream.read_exact(MESSAGE_NBYTES)
+            await stream.write(b"k")
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        b.set_handler(ECHO, answer, deadline_s=BOUND_S)
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        stream = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
+        ends.append(stream._raw.muxed_stream)
+        with trio.fail_after(BOUND_S):
+            for _ in range(MESSAGES):
+                await stream.write(b"x" * MESSAGE_NBYTES)
+                assert await stream.read_exact(1) == b"k"
+        half = yamux_module.DEFAULT_WINDOW_SIZE // 2
+        server, client = ends
+        assert updates.get(id(server), 0) <= MESSAGES * MESSAGE_NBYTES // half  # 0
+        assert updates.get(id(client), 0) <= MESSAGES // half  # 0
+        await stream.close()
+
+
+async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and_penalized() -> None:
+    """Fix 11. A stream whose handler has not read yet: the window's worth of bytes is taken
+    (buffered, as the window allows), the next byte past it is refused unread, the
+    connection ends and the sender earns a point. 0.8.1 logged, set the window to 0 and
+    buffered whatever came (64 MiB in a probe, without end)."""
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    release = trio.Event()
+    served = trio.Event()
+
+    async def hold(stream: Any) -> None:
+        served.set()
+        await release.wait()  # reads nothing
+
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        b.set_handler(BULK, hold, deadline_s=BOUND_S)
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        stream = await a.open_stream(b.peer_id, BULK, timeout_s=10)
+        with trio.fail_after(BOUND_S):  # (the negotiation is over: nothing more arrives unasked)
+            await served.wait()
+        ours, theirs = _muxer(a, b), _muxer(b, a)
+        (receiving,) = [s for s in theirs.streams.values() if s.stream_id == stream._raw.muxed_stream.stream_id]
+        window = receiving.recv_window  # what is left of it (the negotiation's bytes took some)
+
+        def frame(nbytes: int) -> bytes:
+            header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, receiving.stream_id, nbytes)
+            return header + b"y" * nbytes
+
+        await ours.secured_conn.write(frame(window))  # as far as the window goes: taken
+        await ours.secured_conn.write(frame(1))  # one byte past it
+        with trio.fail_after(BOUND_S):
+            await theirs.event_closed.wait()
+        assert b.peers.penalty(a.peer_id) == 1
+        assert not theirs.stream_buffers  # (what it had buffered went with the connection)
+        release.set()
