@@ -19,8 +19,10 @@ import libp2p.stream_muxer.yamux.yamux as yamux_module
 import pytest
 import trio
 import trio.testing
-from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_DATA, YAMUX_HEADER_FORMAT
 
+from protocol.net import libp2p_fixes
 from protocol.net.conns import parse_peer_id
 from protocol.net.host import Host, open_host, parse_dial_addr
 
@@ -255,10 +257,83 @@ async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and
             header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, receiving.stream_id, nbytes)
             return header + b"y" * nbytes
 
-        await ours.secured_conn.write(frame(window))  # as far as the window goes: taken
-        await ours.secured_conn.write(frame(1))  # one byte past it
+        await ours._write_frame(frame(window))  # as far as the window goes: taken
+        await ours._write_frame(frame(1))  # one byte past it
         with trio.fail_after(BOUND_S):
             await theirs.event_closed.wait()
         assert b.peers.penalty(a.peer_id) == 1
         assert not theirs.stream_buffers  # (what it had buffered went with the connection)
         release.set()
+
+
+async def test_many_streams_each_within_its_window_cannot_hold_more_than_the_connections_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fix 11's second bound. New streams whose first frame is a window's worth each (no
+    handler reads them: their protocol is never named) are taken until what the connection
+    holds unread would pass ``MAX_HELD_PER_CONNECTION`` (4 MiB here, for speed): that frame
+    ends the connection, unread, and its sender earns a point. 0.8.1 took 400 such streams
+    (100 MiB) in a second reader's probe and kept them 60 s."""
+    monkeypatch.setattr(libp2p_fixes, "MAX_HELD_PER_CONNECTION", 4 << 20)
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        ours, theirs = _muxer(a, b), _muxer(b, a)
+        window = yamux_module.DEFAULT_WINDOW_SIZE
+        held: list[int] = []
+        with trio.fail_after(BOUND_S):
+            for i in range(2 * (4 << 20) // window):  # twice what the bound lets in
+                if theirs.event_closed.is_set():
+                    break
+                header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, FLAG_SYN, 100001 + 2 * i, window)
+                try:
+                    await ours._write_frame(header + b"y" * window)
+                except BaseLibp2pError:  # closed by b meanwhile (its reset reached us)
+                    break
+                held.append(sum(len(buffer) for buffer in theirs.stream_buffers.values()))
+            await theirs.event_closed.wait()
+        assert max(held) <= 4 << 20
+        assert b.peers.penalty(a.peer_id) == 1
+
+
+async def test_a_sender_down_to_its_last_quarter_of_the_window_is_credited_at_each_read() -> None:
+    """Fix 10's second rule, on the rule itself: libp2p's writer gives up after 5 s at a
+    window of 0, so a steady reader slower than half a window in 5 s (a relay whose far leg
+    is slow, a starved event loop) must not leave its sender there. A sender with room
+    left waits for half a window's credit; one down to its last quarter gets what was read."""
+
+    class Conn:
+        def __init__(self, buffered: int) -> None:
+            self.stream_buffers = {1: bytearray(buffered)}
+
+    class Stream:
+        stream_id = 1
+        target_recv_window = yamux_module.DEFAULT_WINDOW_SIZE
+        _pending_recv_release = 0
+
+        def __init__(self, recv_window: int, buffered: int) -> None:
+            self.recv_window = recv_window
+            self.conn = Conn(buffered)
+            self.window_lock = trio.Lock()
+            self.sent: list[int] = []
+
+        def _apply_autotune_epoch(self, buffered: int) -> int:
+            return 0
+
+        async def send_window_update(self, increment: int, skip_lock: bool = False) -> None:
+            self.sent.append(increment)
+
+    window = yamux_module.DEFAULT_WINDOW_SIZE
+    kib = 1024
+    # 12 KiB came, 4 KiB of it read: the sender may still write all but those 12 KiB.
+    with_room = Stream(window - 12 * kib, buffered=8 * kib)
+    await libp2p_fixes._credit_in_halves(with_room, bytes_read=4 * kib)
+    assert with_room.sent == []  # 4 KiB owed, under half a window: later
+    # The whole window came, 56 KiB of it read (200 KiB still buffered): its writer waits.
+    starved = Stream(0, buffered=200 * kib)
+    await libp2p_fixes._credit_in_halves(starved, bytes_read=4 * kib)
+    assert starved.sent == [56 * kib]  # under half a window too, but now
+    assert starved.recv_window == 56 * kib

@@ -79,36 +79,43 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    renewals (which run one after another). Test:
    tests/test_relay_refresher.py (fails without: the tries of a failing renewal counted).
 10. Yamux's receive window (global, ``YamuxStream._auto_tune_and_send_window_update``):
-   0.8.1 credits reads back to the sender one WINDOW_UPDATE frame per read: by default
-   (``PY_YAMUX_RELEASE_ON_READ``), and, once the window has grown, again through its
-   "partial slack" branch, which credits each read twice over. As many frames back as
-   messages forth, each one sealed by Noise and written through the kernel, and through
-   both legs of a relay on a relayed connection. Now the credit goes back as go-yamux
-   sends it: once what was read and not yet credited reaches half the window (the sender
-   never has less than half a window to write into), with libp2p's window growth (its
-   target doubles while updates come within 4 round trips) kept. Measured
-   (`bench/exchange_throughput.py --mib 128 --repeats 2`, runs alternating): payloads over
-   the libp2p stream 154.7 and 144.1 MB/s before; the default alone off, 177.3 and 177.2;
-   this fix, see docs/network.md. Test: tests/test_yamux_reader.py (frames counted).
-11. A peer that ignores yamux's flow control (global, ``Yamux._read_data_body``): 0.8.1
-   notes a DATA frame past the stream's receive window in a log line, sets the window to
-   0 and buffers the bytes anyway, for as long as the peer sends. A stream whose handler
-   does not read at once (or a stream of ours whose answer we wait for elsewhere) took
-   64 MiB in a probe, and would take any amount: a stranger's bytes allocated without a
-   bound. Now the frame's header (read just before, kept on the connection) says which
-   stream it is for, and a body longer than that stream's window (256 KiB for a new
-   stream's first frame) is refused before a byte of it is read: the connection ends, as
-   go-yamux ends a session on ``ErrRecvWindowExceeded``, and its peer is penalized (a
-   point, on the host whose connection it was: ``guard_host`` marks each secured
-   connection with its guard). Frames for streams already gone are read and dropped, as
-   before: a race of a reset with data in flight, and nothing is kept. Test:
-   tests/test_yamux_reader.py (a sender past the window).
+   0.8.1 credits reads back to the sender one WINDOW_UPDATE frame per read (by default,
+   ``PY_YAMUX_RELEASE_ON_READ``, and through its "partial slack" branch, which also
+   credits each read twice: an increment of 2048 for a 1024-byte read). As many frames
+   back as messages forth, each one sealed by Noise and written through the kernel, and
+   through both legs of a relay on a relayed connection. Now the credit goes back as
+   go-yamux sends it, once what was read and not yet credited reaches half the window,
+   and besides at each read while the sender is down to its last quarter of the window
+   (libp2p's writer gives up after 5 s at a window of 0: a steady reader slower than half
+   a window in 5 s would cut it off), with libp2p's window growth (its target doubles
+   while updates come within 4 round trips) kept. Measured
+   (`bench/exchange_throughput.py --mib 128 --repeats 2`, runs alternating): payloads
+   over the libp2p stream 194.5 and 207.6 MB/s, against 161.7 and 160.4 before
+   (docs/network.md). Tests: tests/test_yamux_reader.py (frames counted; the rule for a
+   sender down to its last quarter).
+11. A peer that ignores yamux's flow control (global; the frame headers, read through
+   yamux's module-level ``read_exactly``, which only its header read uses once
+   ``Yamux._read_data_body`` reads bodies itself): 0.8.1 notes a DATA frame past the
+   stream's receive window in a log line, sets the window to 0 and buffers the bytes
+   anyway, for as long as the peer sends. A stream whose handler does not read at once
+   (or one of ours whose answer we wait for elsewhere) took 64 MiB in a probe, and would
+   take any amount. And within their windows, a peer's many streams held 100 MiB in a
+   second reader's probe (400 new streams with 256 KiB each; reset streams keep their
+   bytes for 60 s). Now each header is judged before its frame is read on: a body past
+   its stream's window (a new stream's first frame: 256 KiB), or one that would bring
+   what the connection's streams hold unread past ``MAX_HELD_PER_CONNECTION``, ends the
+   connection (as go-yamux ends a session on ``ErrRecvWindowExceeded``), unread, and
+   its peer earns a point on the host whose connection it was (``guard_host`` marks each
+   secured connection with its guard). Frames for streams already gone are read and
+   dropped, as before: a reset racing data in flight, and nothing is kept. Tests:
+   tests/test_yamux_reader.py (a sender past its window; many streams).
 """
 
 import contextlib
 import logging
 import struct
 import time
+import weakref
 from typing import Any
 
 import libp2p.kad_dht.common as _kad_common
@@ -155,6 +162,10 @@ KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
 MAX_MULTISELECT_NBYTES = 1024
 # Control frames (ACKs, ping answers, RSTs) a connection's reader may owe at once (fix 4).
 MAX_PENDING_CONTROL_FRAMES = 256
+# Fix 11: bytes a connection's streams may hold unread, all together. Each stream's own
+# bound is its window (256 KiB, growing to 16 MiB as we read): a payload's stream and a
+# few small ones stay far below; 400 streams opened with a window's worth each held 100 MiB.
+MAX_HELD_PER_CONNECTION = 64 << 20
 # Fix 9: the pauses before each next try of a failing slot renewal (the last one repeats),
 # and the shortest time between two renewals of one slot.
 RENEW_RETRY_S = (1.0, 2.0, 4.0, 8.0)
@@ -234,6 +245,8 @@ async def _yamux_reader_task(self: Yamux, task_status: Any = trio.TASK_STATUS_IG
     """0.8.1's reader, known as such to ``_yamux_write_frame_off_the_reader`` (fix 4)."""
     self._swarmtrain_reader = trio.lowlevel.current_task()
     self._swarmtrain_owed = 0
+    with contextlib.suppress(AttributeError):  # (a connection type that takes none: no fix 11 on it)
+        self.secured_conn._swarmtrain_yamux = weakref.ref(self)
     await _yamux_reader(self, task_status=task_status)
 
 
@@ -352,11 +365,15 @@ async def _relay_refresher(self: _relay_transport.CircuitV2Transport) -> None:
 
 async def _credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> None:
     """Fix 10: a WINDOW_UPDATE once half the window was read and not yet credited (what
-    arrived lowered ``recv_window``; what is still buffered is not read yet)."""
+    arrived lowered ``recv_window``; what is still buffered is not read yet), or at each
+    read while the sender is down to its last quarter of the window: libp2p's writer gives
+    up after 5 s at a window of 0, and a reader slower than half a window in 5 s must not
+    cut it off (a second reader's probe did, with halves alone)."""
     async with self.window_lock:
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         owed = self.target_recv_window - (self.recv_window + buffered)
-        if owed <= 0 or owed < self.target_recv_window // 2:
+        target = self.target_recv_window
+        if owed <= 0 or (owed < target // 2 and self.recv_window >= target // 4):
             return
         self.recv_window += owed
         self._pending_recv_release = 0  # (libp2p's own batching, which this replaces)
@@ -368,29 +385,39 @@ _yamux_read_exactly = _yamux.read_exactly
 
 
 async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
-    """Yamux's reads through the module's ``read_exactly``: the frame headers only, once
-    ``_read_data_body`` reads bodies itself. Each is kept on the connection (fix 11)."""
+    """Yamux's reads through the module's ``read_exactly``: the frame headers only, since
+    ``_read_data_body`` reads bodies itself. Fix 11 judges each before its frame is read on."""
     data: bytes = await _yamux_read_exactly(reader, n, *args, **kwargs)
-    with contextlib.suppress(AttributeError):  # (a connection type that takes none: no check on it)
-        reader._swarmtrain_header = data
+    owner = getattr(reader, "_swarmtrain_yamux", None)
+    yamux = owner() if isinstance(owner, weakref.ref) else None
+    if isinstance(yamux, Yamux) and len(data) == HEADER_SIZE:
+        reason = _overrun(yamux, data)
+        if reason is not None:
+            logger.warning("%s from %s: connection closed", reason, yamux.peer_id)
+            _penalize_on_the_connections_host(yamux, reason)
+            raise RawConnError(reason)  # the reader's own handler of a failed header read ends the connection
     return data
 
 
+def _overrun(yamux: Yamux, header: bytes) -> str | None:
+    """Why a frame with this header must not be read (fix 11), or None."""
+    _, typ, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, header)
+    if typ != TYPE_DATA or length == 0:
+        return None
+    stream = yamux.streams.get(stream_id)
+    allowed = stream.recv_window if stream is not None else DEFAULT_WINDOW_SIZE if flags & FLAG_SYN else None
+    if allowed is None:
+        return None  # a stream already gone: libp2p reads the body and drops it
+    if length > allowed:
+        return f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}"
+    held = sum(len(buffer) for buffer in yamux.stream_buffers.values())
+    if held + length > MAX_HELD_PER_CONNECTION:
+        return f"yamux: a {length}-byte frame on top of {held} bytes unread, past {MAX_HELD_PER_CONNECTION}"
+    return None
+
+
 async def _yamux_read_data_body(self: Yamux, length: int) -> bytes:
-    """0.8.1's ``_read_data_body``, after the window check of fix 11."""
-    header = getattr(self.secured_conn, "_swarmtrain_header", None)
-    if isinstance(header, bytes) and len(header) == HEADER_SIZE:
-        _, typ, flags, stream_id, _ = struct.unpack(YAMUX_HEADER_FORMAT, header)
-        stream = self.streams.get(stream_id)
-        allowed = stream.recv_window if stream is not None else DEFAULT_WINDOW_SIZE if flags & FLAG_SYN else None
-        if typ == TYPE_DATA and allowed is not None and length > allowed:
-            reason = f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}"
-            logger.warning("%s from %s: connection closed", reason, self.peer_id)
-            _penalize_on_the_connections_host(self, reason)
-            # Closed here: the reader's handler of plain DATA frames only marks the stream
-            # and reads on, which would parse the unread body as the next frame headers.
-            await self._cleanup_on_error()
-            raise RawConnError(reason)
+    """0.8.1's ``_read_data_body``, reading past ``_yamux_read_header`` (fix 11)."""
     with trio.fail_after(_yamux._yamux_data_read_timeout()):
         body: bytes = await _yamux_read_exactly(self.secured_conn, length)
     return body
