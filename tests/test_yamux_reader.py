@@ -181,6 +181,7 @@ async def test_a_stream_reset_behind_a_held_write_lock_does_not_wait_for_it() ->
 
 MESSAGES = 64
 MESSAGE_NBYTES = 1024
+BULK_NBYTES = 2 * yamux_module.DEFAULT_WINDOW_SIZE
 
 
 async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the_window(
@@ -206,6 +207,8 @@ async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the
         for _ in range(MESSAGES):
             await stream.read_exact(MESSAGE_NBYTES)
             await stream.write(b"k")
+        await stream.read_exact(BULK_NBYTES)
+        await stream.write(b"k")
 
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with (
@@ -224,6 +227,11 @@ async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the
         server, client = ends
         assert updates.get(id(server), 0) <= MESSAGES * MESSAGE_NBYTES // half  # 0
         assert updates.get(id(client), 0) <= MESSAGES // half  # 0
+        # And a bulk write past the window goes through only as credit comes back.
+        with trio.fail_after(BOUND_S):
+            await stream.write(b"z" * BULK_NBYTES)
+            assert await stream.read_exact(1) == b"k"
+        assert updates.get(id(server), 0) >= 1
         await stream.close()
 
 
@@ -299,15 +307,19 @@ async def test_many_streams_each_within_its_window_cannot_hold_more_than_the_con
         assert b.peers.penalty(a.peer_id) == 1
 
 
-async def test_a_sender_down_to_its_last_quarter_of_the_window_is_credited_at_each_read() -> None:
-    """Fix 10's second rule, on the rule itself: libp2p's writer gives up after 5 s at a
-    window of 0, so a steady reader slower than half a window in 5 s (a relay whose far leg
-    is slow, a starved event loop) must not leave its sender there. A sender with room
-    left waits for half a window's credit; one down to its last quarter gets what was read."""
+async def test_the_window_is_credited_in_halves_or_to_a_starved_sender_and_grows_within_a_budget() -> None:
+    """Fix 10's rules, on the rule itself: libp2p's writer gives up after 5 s at a window
+    of 0, so a steady reader slower than half a window in 5 s (a relay whose far leg is
+    slow, a starved event loop) must not leave its sender there. A sender with room left
+    waits for half a window's credit; one down to its last quarter gets what was read. The
+    window grows only on a half window's credit and within the connection's budget (a third
+    reader's probe: slow readers' windows grew to 16 MiB each, and 5 of them on one 50 ms
+    connection passed fix 11's first bound honestly)."""
 
     class Conn:
         def __init__(self, buffered: int) -> None:
             self.stream_buffers = {1: bytearray(buffered)}
+            self.streams: dict[int, Any] = {}
 
     class Stream:
         stream_id = 1
@@ -319,8 +331,11 @@ async def test_a_sender_down_to_its_last_quarter_of_the_window_is_credited_at_ea
             self.conn = Conn(buffered)
             self.window_lock = trio.Lock()
             self.sent: list[int] = []
+            self.grown = False
+            self.conn.streams[self.stream_id] = self
 
         def _apply_autotune_epoch(self, buffered: int) -> int:
+            self.grown = True  # (libp2p's autotune: may double the target)
             return 0
 
         async def send_window_update(self, increment: int, skip_lock: bool = False) -> None:
@@ -337,3 +352,16 @@ async def test_a_sender_down_to_its_last_quarter_of_the_window_is_credited_at_ea
     await libp2p_fixes._credit_in_halves(starved, bytes_read=4 * kib)
     assert starved.sent == [56 * kib]  # under half a window too, but now
     assert starved.recv_window == 56 * kib
+    assert not starved.grown  # a reader that does not keep up earns no bigger window
+    # Half a window read: credited, and the window may grow while the connection's streams
+    # were granted little; not once they were granted MAX_GRANTED_PER_CONNECTION in all.
+    keeping_up = Stream(window // 2, buffered=0)
+    await libp2p_fixes._credit_in_halves(keeping_up, bytes_read=4 * kib)
+    assert keeping_up.sent == [window // 2] and keeping_up.grown
+    crowded = Stream(window // 2, buffered=0)
+    others = Stream(0, buffered=0)
+    others.stream_id = 3
+    others.target_recv_window = libp2p_fixes.MAX_GRANTED_PER_CONNECTION - window
+    crowded.conn.streams[3] = others
+    await libp2p_fixes._credit_in_halves(crowded, bytes_read=4 * kib)
+    assert crowded.sent == [window // 2] and not crowded.grown

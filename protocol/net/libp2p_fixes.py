@@ -88,9 +88,10 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    and besides at each read while the sender is down to its last quarter of the window
    (libp2p's writer gives up after 5 s at a window of 0: a steady reader slower than half
    a window in 5 s would cut it off), with libp2p's window growth (its target doubles
-   while updates come within 4 round trips) kept. Measured
-   (`bench/exchange_throughput.py --mib 128 --repeats 2`, runs alternating): payloads
-   over the libp2p stream 194.5 and 207.6 MB/s, against 161.7 and 160.4 before
+   while updates come within 4 round trips) kept on the half window's credits only, and
+   within ``MAX_GRANTED_PER_CONNECTION`` for all the connection's streams. Measured
+   (`bench/exchange_throughput.py --mib 128 --repeats 2`, four runs each, alternating):
+   payloads over the libp2p stream median 220.6 MB/s against 177.1 before
    (docs/network.md). Tests: tests/test_yamux_reader.py (frames counted; the rule for a
    sender down to its last quarter).
 11. A peer that ignores yamux's flow control (global; the frame headers, read through
@@ -101,12 +102,16 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    (or one of ours whose answer we wait for elsewhere) took 64 MiB in a probe, and would
    take any amount. And within their windows, a peer's many streams held 100 MiB in a
    second reader's probe (400 new streams with 256 KiB each; reset streams keep their
-   bytes for 60 s). Now each header is judged before its frame is read on: a body past
-   its stream's window (a new stream's first frame: 256 KiB), or one that would bring
-   what the connection's streams hold unread past ``MAX_HELD_PER_CONNECTION``, ends the
-   connection (as go-yamux ends a session on ``ErrRecvWindowExceeded``), unread, and
-   its peer earns a point on the host whose connection it was (``guard_host`` marks each
-   secured connection with its guard). Frames for streams already gone are read and
+   bytes for 60-90 s). Now each header is judged before its frame is read on: a body
+   past its stream's window (a new stream's first frame: 256 KiB) ends the connection
+   (as go-yamux ends a session on ``ErrRecvWindowExceeded``), unread, and so does one
+   that would bring what the connection's streams hold unread past
+   ``MAX_HELD_PER_CONNECTION``, which honest senders cannot reach (the windows we grant
+   stay within fix 10's budget; the arithmetic at the constant). Its peer earns a point
+   on the host whose connection it was (``guard_host`` marks each secured connection
+   with its guard). A third reader found the first version of the connection's bound
+   (64 MiB, windows growing without a budget) cut off honest senders with 5 slow
+   streams on a 50 ms round trip. Frames for streams already gone are read and
    dropped, as before: a reset racing data in flight, and nothing is kept. Tests:
    tests/test_yamux_reader.py (a sender past its window; many streams).
 """
@@ -162,10 +167,17 @@ KAD_PROTOCOL_ID = "/swarmtrain/kad/1.0.0"
 MAX_MULTISELECT_NBYTES = 1024
 # Control frames (ACKs, ping answers, RSTs) a connection's reader may owe at once (fix 4).
 MAX_PENDING_CONTROL_FRAMES = 256
-# Fix 11: bytes a connection's streams may hold unread, all together. Each stream's own
-# bound is its window (256 KiB, growing to 16 MiB as we read): a payload's stream and a
-# few small ones stay far below; 400 streams opened with a window's worth each held 100 MiB.
-MAX_HELD_PER_CONNECTION = 64 << 20
+# Fix 10: what a connection's streams may be granted in all before none of them grows its
+# window further (each starts at 256 KiB; one may grow to 16 MiB while we read it fast).
+MAX_GRANTED_PER_CONNECTION = 64 << 20
+# Fix 11: bytes a connection's streams may hold unread, all together. An honest peer sends
+# only within the windows we grant: in all at most MAX_GRANTED_PER_CONNECTION (a window
+# grows only if the total stays within it), or 256 KiB a stream where more streams than
+# that are open, and py-libp2p opens at most 256 on a connection (512 with those reset
+# whose bytes yamux keeps 60-90 s: 128 MiB; go-libp2p's default of 1000 inbound: 250 MiB).
+# 400 streams opened with a window's worth each held 100 MiB in a second reader's probe,
+# and a stranger could go on opening them.
+MAX_HELD_PER_CONNECTION = 256 << 20
 # Fix 9: the pauses before each next try of a failing slot renewal (the last one repeats),
 # and the shortest time between two renewals of one slot.
 RENEW_RETRY_S = (1.0, 2.0, 4.0, 8.0)
@@ -368,7 +380,10 @@ async def _credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> None:
     arrived lowered ``recv_window``; what is still buffered is not read yet), or at each
     read while the sender is down to its last quarter of the window: libp2p's writer gives
     up after 5 s at a window of 0, and a reader slower than half a window in 5 s must not
-    cut it off (a second reader's probe did, with halves alone)."""
+    cut it off (a second reader's probe did, with halves alone). The window grows (libp2p's
+    autotune) only on a half window's credit, a reader keeping up, and only while what the
+    connection's streams were granted stays within ``MAX_GRANTED_PER_CONNECTION``: the
+    windows we grant bound what an honest peer can make us hold (fix 11)."""
     async with self.window_lock:
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         owed = self.target_recv_window - (self.recv_window + buffered)
@@ -377,7 +392,9 @@ async def _credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> None:
             return
         self.recv_window += owed
         self._pending_recv_release = 0  # (libp2p's own batching, which this replaces)
-        owed += self._apply_autotune_epoch(buffered)  # grows the target, and credits the growth
+        granted = sum(stream.target_recv_window for stream in list(self.conn.streams.values()))
+        if owed >= target // 2 and granted + target <= MAX_GRANTED_PER_CONNECTION:
+            owed += self._apply_autotune_epoch(buffered)  # may double the target: credits the growth
     await self.send_window_update(owed, skip_lock=True)
 
 
