@@ -280,8 +280,9 @@ async def test_many_streams_each_within_its_window_cannot_hold_more_than_the_con
     """Fix 11's second bound. New streams whose first frame is a window's worth each (no
     handler reads them: their protocol is never named) are taken until what the connection
     holds unread would pass ``MAX_HELD_PER_CONNECTION`` (4 MiB here, for speed): that frame
-    ends the connection, unread, and its sender earns a point. 0.8.1 took 400 such streams
-    (100 MiB) in a second reader's probe and kept them 60 s."""
+    ends the connection, unread, and nobody is blamed (each stream kept within its window:
+    an honest sender opening streams faster than we read does the same). 0.8.1 took 400
+    such streams (100 MiB) in a second reader's probe and kept them 60-90 s."""
     monkeypatch.setattr(libp2p_fixes, "MAX_HELD_PER_CONNECTION", 4 << 20)
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with (
@@ -304,7 +305,7 @@ async def test_many_streams_each_within_its_window_cannot_hold_more_than_the_con
                 held.append(sum(len(buffer) for buffer in theirs.stream_buffers.values()))
             await theirs.event_closed.wait()
         assert max(held) <= 4 << 20
-        assert b.peers.penalty(a.peer_id) == 1
+        assert b.peers.penalty(a.peer_id) == 0
 
 
 async def test_the_window_is_credited_in_halves_or_to_a_starved_sender_and_grows_within_a_budget() -> None:

@@ -104,14 +104,14 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    second reader's probe (400 new streams with 256 KiB each; reset streams keep their
    bytes for 60-90 s). Now each header is judged before its frame is read on: a body
    past its stream's window (a new stream's first frame: 256 KiB) ends the connection
-   (as go-yamux ends a session on ``ErrRecvWindowExceeded``), unread, and so does one
-   that would bring what the connection's streams hold unread past
-   ``MAX_HELD_PER_CONNECTION``, which honest senders cannot reach (the windows we grant
-   stay within fix 10's budget; the arithmetic at the constant). Its peer earns a point
-   on the host whose connection it was (``guard_host`` marks each secured connection
-   with its guard). A third reader found the first version of the connection's bound
-   (64 MiB, windows growing without a budget) cut off honest senders with 5 slow
-   streams on a 50 ms round trip. Frames for streams already gone are read and
+   (as go-yamux ends a session on ``ErrRecvWindowExceeded``), unread, and its peer earns
+   a point on the host whose connection it was (``guard_host`` marks each secured
+   connection with its guard). One that would bring what the connection's streams hold
+   unread past ``MAX_HELD_PER_CONNECTION`` ends it too, without blame: a sender within
+   every window reaches it by opening more streams than we read (the constant's comment).
+   A third reader found the first version of that bound (64 MiB, windows growing without
+   fix 10's budget, and blame) cut off honest senders with 5 slow streams on a 50 ms
+   round trip. Frames for streams already gone are read and
    dropped, as before: a reset racing data in flight, and nothing is kept. Tests:
    tests/test_yamux_reader.py (a sender past its window; many streams).
 """
@@ -170,13 +170,14 @@ MAX_PENDING_CONTROL_FRAMES = 256
 # Fix 10: what a connection's streams may be granted in all before none of them grows its
 # window further (each starts at 256 KiB; one may grow to 16 MiB while we read it fast).
 MAX_GRANTED_PER_CONNECTION = 64 << 20
-# Fix 11: bytes a connection's streams may hold unread, all together. An honest peer sends
-# only within the windows we grant: in all at most MAX_GRANTED_PER_CONNECTION (a window
-# grows only if the total stays within it), or 256 KiB a stream where more streams than
-# that are open, and py-libp2p opens at most 256 on a connection (512 with those reset
-# whose bytes yamux keeps 60-90 s: 128 MiB; go-libp2p's default of 1000 inbound: 250 MiB).
-# 400 streams opened with a window's worth each held 100 MiB in a second reader's probe,
-# and a stranger could go on opening them.
+# Fix 11: bytes a connection's streams may hold unread, all together; past it the
+# connection ends, without blame. Each stream's sender keeps within the window we grant:
+# 256 KiB a stream, and the windows that grew at most MAX_GRANTED_PER_CONNECTION in all.
+# But streams are not bounded: a sender that half-closes each (py-libp2p then frees its
+# slot) may open more than we read, 1100 streams of 255 KiB in a fourth reader's probe,
+# within every window. Our own protocols wait for each answer (they hold a few streams a
+# peer); 400 streams opened with a window's worth each held 100 MiB in a second reader's
+# probe, and a stranger could go on opening them.
 MAX_HELD_PER_CONNECTION = 256 << 20
 # Fix 9: the pauses before each next try of a failing slot renewal (the last one repeats),
 # and the shortest time between two renewals of one slot.
@@ -392,9 +393,10 @@ async def _credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> None:
             return
         self.recv_window += owed
         self._pending_recv_release = 0  # (libp2p's own batching, which this replaces)
-        granted = sum(stream.target_recv_window for stream in list(self.conn.streams.values()))
-        if owed >= target // 2 and granted + target <= MAX_GRANTED_PER_CONNECTION:
-            owed += self._apply_autotune_epoch(buffered)  # may double the target: credits the growth
+        if owed >= target // 2:
+            granted = sum(stream.target_recv_window for stream in self.conn.streams.values())
+            if granted + target <= MAX_GRANTED_PER_CONNECTION:
+                owed += self._apply_autotune_epoch(buffered)  # may double the target: credits the growth
     await self.send_window_update(owed, skip_lock=True)
 
 
@@ -408,16 +410,20 @@ async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> 
     owner = getattr(reader, "_swarmtrain_yamux", None)
     yamux = owner() if isinstance(owner, weakref.ref) else None
     if isinstance(yamux, Yamux) and len(data) == HEADER_SIZE:
-        reason = _overrun(yamux, data)
-        if reason is not None:
+        overrun = _overrun(yamux, data)
+        if overrun is not None:
+            reason, blame = overrun
             logger.warning("%s from %s: connection closed", reason, yamux.peer_id)
-            _penalize_on_the_connections_host(yamux, reason)
+            if blame:
+                _penalize_on_the_connections_host(yamux, reason)
             raise RawConnError(reason)  # the reader's own handler of a failed header read ends the connection
     return data
 
 
-def _overrun(yamux: Yamux, header: bytes) -> str | None:
-    """Why a frame with this header must not be read (fix 11), or None."""
+def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
+    """Why a frame with this header must not be read (fix 11), and whether its sender is to
+    blame (past its window: yes; past the connection's bound, which a sender within every
+    window can reach by opening streams faster than we read them: no), or None."""
     _, typ, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, header)
     if typ != TYPE_DATA or length == 0:
         return None
@@ -426,10 +432,10 @@ def _overrun(yamux: Yamux, header: bytes) -> str | None:
     if allowed is None:
         return None  # a stream already gone: libp2p reads the body and drops it
     if length > allowed:
-        return f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}"
+        return f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}", True
     held = sum(len(buffer) for buffer in yamux.stream_buffers.values())
     if held + length > MAX_HELD_PER_CONNECTION:
-        return f"yamux: a {length}-byte frame on top of {held} bytes unread, past {MAX_HELD_PER_CONNECTION}"
+        return f"yamux: a {length}-byte frame on top of {held} bytes unread, past {MAX_HELD_PER_CONNECTION}", False
     return None
 
 
