@@ -12,7 +12,8 @@ on it, and a fresh connection works (measured: 0 of 1 MiB moved each way in 60 s
 
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import libp2p.stream_muxer.yamux.yamux as yamux_module
@@ -35,6 +36,17 @@ NBYTES = 256 * 1024
 PIPE_NBYTES = 16 * 1024
 # Failure bounds, not waits: everything below takes well under a second when it works.
 BOUND_S = 30.0
+
+
+@asynccontextmanager
+async def two_hosts() -> AsyncIterator[tuple[Host, Host]]:
+    """Two real hosts on loopback, not yet connected."""
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
+    ):
+        yield a, b
 
 
 def _muxer(host: Host, other: Host) -> Any:
@@ -65,11 +77,7 @@ async def test_readers_held_while_both_pipes_fill_do_not_deadlock_the_connection
     async def echo(stream: Any) -> None:
         await stream.write(await stream.read_exact(4))
 
-    listen = ["/ip4/127.0.0.1/tcp/0"]
-    async with (
-        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
-        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
-    ):
+    async with two_hosts() as (a, b):
         for host in (a, b):
             host.set_handler(BULK, bulk, deadline_s=BOUND_S)
             host.set_handler(ECHO, echo)
@@ -148,11 +156,7 @@ async def test_a_stream_reset_behind_a_held_write_lock_does_not_wait_for_it() ->
     """libp2p resets a stream whose open failed in a shielded scope; the RST waited for the
     write lock without a deadline, so while a writer held it (a slow peer's full pipe) the
     failed open outlived every timeout of ours (fix 5). Now the RST waits in a task."""
-    listen = ["/ip4/127.0.0.1/tcp/0"]
-    async with (
-        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
-        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
-    ):
+    async with two_hosts() as (a, b):
         b.set_handler(ECHO, lambda stream: stream.read_exact(4))
         await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
         stream = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
@@ -210,11 +214,7 @@ async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the
         await stream.read_exact(BULK_NBYTES)
         await stream.write(b"k")
 
-    listen = ["/ip4/127.0.0.1/tcp/0"]
-    async with (
-        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
-        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
-    ):
+    async with two_hosts() as (a, b):
         b.set_handler(ECHO, answer, deadline_s=BOUND_S)
         await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
         stream = await a.open_stream(b.peer_id, ECHO, timeout_s=10)
@@ -240,7 +240,6 @@ async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and
     (buffered, as the window allows), the next byte past it is refused unread, the
     connection ends and the sender earns a point. 0.8.1 logged, set the window to 0 and
     buffered whatever came (64 MiB in a probe, without end)."""
-    listen = ["/ip4/127.0.0.1/tcp/0"]
     release = trio.Event()
     served = trio.Event()
 
@@ -248,10 +247,7 @@ async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and
         served.set()
         await release.wait()  # reads nothing
 
-    async with (
-        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
-        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
-    ):
+    async with two_hosts() as (a, b):
         b.set_handler(BULK, hold, deadline_s=BOUND_S)
         await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
         stream = await a.open_stream(b.peer_id, BULK, timeout_s=10)
@@ -284,11 +280,7 @@ async def test_many_streams_each_within_its_window_cannot_hold_more_than_the_con
     an honest sender opening streams faster than we read does the same). 0.8.1 took 400
     such streams (100 MiB) in a second reader's probe and kept them 60-90 s."""
     monkeypatch.setattr(libp2p_fixes, "MAX_HELD_PER_CONNECTION", 4 << 20)
-    listen = ["/ip4/127.0.0.1/tcp/0"]
-    async with (
-        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as a,
-        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as b,
-    ):
+    async with two_hosts() as (a, b):
         await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
         ours, theirs = _muxer(a, b), _muxer(b, a)
         window = yamux_module.DEFAULT_WINDOW_SIZE
