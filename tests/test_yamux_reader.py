@@ -19,6 +19,7 @@ from typing import Any
 import libp2p.stream_muxer.yamux.yamux as yamux_module
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_DATA, YAMUX_HEADER_FORMAT
@@ -26,6 +27,7 @@ from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_DATA, YAMUX_HEADER_FO
 from protocol.net import libp2p_fixes
 from protocol.net.conns import parse_peer_id
 from protocol.net.host import Host, open_host, parse_dial_addr
+from protocol.net.peers import BAN_POINTS
 
 pytestmark = pytest.mark.integration
 BULK = "/swarmtrain-test/bulk/1.0.0"
@@ -235,11 +237,14 @@ async def test_small_messages_read_one_by_one_are_credited_back_in_halves_of_the
         await stream.close()
 
 
-async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and_penalized() -> None:
+@pytest.mark.parametrize("points_before", [0, BAN_POINTS - 1])
+async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and_penalized(points_before: int) -> None:
     """Fix 11. A stream whose handler has not read yet: the window's worth of bytes is taken
     (buffered, as the window allows), the next byte past it is refused unread, the
     connection ends and the sender earns a point. 0.8.1 logged, set the window to 0 and
-    buffered whatever came (64 MiB in a probe, without end)."""
+    buffered whatever came (64 MiB in a probe, without end). The point that bans it runs
+    the host's ban (which closes the peer's connections) from the connection's own reader,
+    after the connection ended: it must not wait on itself."""
     release = trio.Event()
     served = trio.Event()
 
@@ -251,6 +256,9 @@ async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and
         b.set_handler(BULK, hold, deadline_s=BOUND_S)
         await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
         stream = await a.open_stream(b.peer_id, BULK, timeout_s=10)
+        for _ in range(points_before):
+            b.peers.penalize(a.peer_id, "earlier")
+        penalties = b.peers.penalties_total
         with trio.fail_after(BOUND_S):  # (the negotiation is over: nothing more arrives unasked)
             await served.wait()
         ours, theirs = _muxer(a, b), _muxer(b, a)
@@ -265,7 +273,14 @@ async def test_a_sender_past_the_window_is_cut_off_before_its_bytes_are_read_and
         await ours._write_frame(frame(1))  # one byte past it
         with trio.fail_after(BOUND_S):
             await theirs.event_closed.wait()
-        assert b.peers.penalty(a.peer_id) == 1
+            changed = b.peers.changed  # (the connection ends before the point lands)
+            while b.peers.penalties_total == penalties:
+                await changed.wait()
+                changed = b.peers.changed
+        assert b.peers.penalties_total == penalties + 1
+        banned = points_before + 1 >= BAN_POINTS
+        assert b.peers.is_banned(a.peer_id) == banned
+        assert b.peers.penalty(a.peer_id) == (0 if banned else points_before + 1)  # (a ban starts afresh)
         assert not theirs.stream_buffers  # (what it had buffered went with the connection)
         release.set()
 

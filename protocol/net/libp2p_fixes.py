@@ -415,7 +415,11 @@ async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> 
             reason, blame = overrun
             logger.warning("%s from %s: connection closed", reason, yamux.peer_id)
             if blame:
-                _penalize_on_the_connections_host(yamux, reason)
+                # Ended first, as the reader's own handler of a failed header read would
+                # (it does so again, a no-op, after the raise): a ban then closes the peer's
+                # other connections, not this one from inside its own reader.
+                await yamux._cleanup_on_error()
+                await _punish_on_the_connections_host(yamux, reason)
             raise RawConnError(reason)  # the reader's own handler of a failed header read ends the connection
     return data
 
@@ -446,22 +450,11 @@ async def _yamux_read_data_body(self: Yamux, length: int) -> bytes:
     return body
 
 
-def _penalize_on_the_connections_host(self: Yamux, reason: str) -> None:
+async def _punish_on_the_connections_host(self: Yamux, reason: str) -> None:
     guard = getattr(self.secured_conn, "_swarmtrain_guard", None)
-    if not isinstance(guard, Guard):
-        return
-    peer_id = self.peer_id.to_base58()
-    if guard.peers.penalize(peer_id, reason) and guard.on_ban is not None:
-        # Its other connections close in a task of their own: this one's reader is ending.
-        trio.lowlevel.spawn_system_task(_on_ban, guard, peer_id)
-
-
-async def _on_ban(guard: Guard, peer_id: str) -> None:
-    assert guard.on_ban is not None
-    try:
-        await guard.on_ban(peer_id)
-    except Exception:  # a system task's error would end the program
-        logger.exception("closing the connections of banned %s", peer_id)
+    if isinstance(guard, Guard):
+        with trio.CancelScope(shield=True):  # the verdict stands even if we are being cancelled
+            await guard.punish(self.peer_id.to_base58(), reason)
 
 
 _use_our_kad_id()
