@@ -188,6 +188,11 @@ class FakeHost:
         self._handlers: dict[str, tuple[StreamLikeHandler, float]] = {}
         self._subscriptions: dict[str, list[trio.MemorySendChannel[GossipMessage]]] = {}
         self._connected: set[str] = set()
+        self._connections_changed = trio.Event()
+        self.behind_nat = False
+        """Reached only over a connection it is already in: a stream opened to it from a
+        host with none hangs for the open's timeout, as libp2p's dial of a NATed peer's
+        addresses does (its SYNs dropped), however the connection comes meanwhile."""
 
     @property
     def peers(self) -> PeerTable:
@@ -201,12 +206,14 @@ class FakeHost:
     async def open_stream(self, peer_id: str, protocol_id: str, *, timeout_s: float) -> FakeStream:
         await trio.lowlevel.checkpoint()
         target = self._net.hosts.get(peer_id)
+        if target is not None and target.behind_nat and peer_id not in self._connected:
+            await trio.sleep(timeout_s)  # virtual: the dial's SYNs go unanswered
+            raise StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
         if target is None or not self._net.reachable(self.peer_id, peer_id):
             raise StreamError(f"open {protocol_id} to {peer_id} failed: unreachable")
         if protocol_id not in target._handlers:
             raise StreamError(f"open {protocol_id} to {peer_id} failed: protocol not supported")
-        self._connected.add(peer_id)
-        target._connected.add(self.peer_id)
+        self._link_up(target)
         ours, theirs = self._net._open_link(self.peer_id, peer_id)
         self._net.nursery.start_soon(target._serve, protocol_id, theirs)
         return ours
@@ -242,8 +249,21 @@ class FakeHost:
         target = self._net.hosts.get(peer.peer_id)
         if target is None or not self._net.reachable(self.peer_id, peer.peer_id):
             raise DialError(f"dial {peer.peer_id} failed: unreachable")
-        self._connected.add(peer.peer_id)
-        target._connected.add(self.peer_id)
+        self._link_up(target)
+
+    def _link_up(self, target: "FakeHost") -> None:
+        for host, peer_id in ((self, target.peer_id), (target, self.peer_id)):
+            if peer_id not in host._connected:
+                host._connected.add(peer_id)
+                host._connection_event()
+
+    def _connection_event(self) -> None:
+        self._connections_changed.set()
+        self._connections_changed = trio.Event()
+
+    @property
+    def connections_changed(self) -> trio.Event:
+        return self._connections_changed
 
     async def disconnect(self, peer_id: str) -> None:
         await trio.lowlevel.checkpoint()
@@ -308,7 +328,10 @@ class FakeNetwork:
                 link.break_(reason)
         self._links = [link for link in self._links if not link.done()]
         for host in self.hosts.values():
-            host._connected = {p for p in host._connected if not between(host.peer_id, p)}
+            kept = {p for p in host._connected if not between(host.peer_id, p)}
+            if kept != host._connected:
+                host._connected = kept
+                host._connection_event()
 
     # --- faults ---
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from node.algorithms.joining import BOUNDARY_WAIT_S, StateOffers, resync_wait_s, vouched_round
 from node.algorithms.noloco import Noloco
@@ -171,6 +172,84 @@ async def test_a_starting_node_asks_whether_anyone_is_ahead_without_waiting_on_a
             assert await states.anyone_ahead([quiet.peer_id, ahead.peer_id]) is True
         with trio.fail_after(joining.AHEAD_ASK_S + savedstate.HEADER_TIMEOUT_S / 4):  # not the header's 10 s
             assert await states.anyone_ahead([quiet.peer_id, fresh.peer_id]) is False
+
+
+@pytest.mark.integration
+async def test_a_host_hears_of_connections_it_dialled_or_was_dialled_and_their_end() -> None:
+    """``Host.connections_changed`` (libp2p's connection notifications), what the ask above
+    waits on: a connection the peer made to us ends ``until_connected`` as ours does."""
+    from protocol.net.host import open_host, parse_dial_addr
+    from protocol.net.hostlike import until_connected
+
+    def host(seed: int) -> Any:
+        return open_host(identity_seed=bytes([seed]) * 32, listen_addrs=["/ip4/127.0.0.1/tcp/0"], announce_addrs=[])
+
+    async with host(1) as a, host(2) as b:
+        changed = a.connections_changed
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(until_connected, a, b.peer_id)
+                await b.connect(parse_dial_addr(a.addrs()[0]), timeout_s=5)  # theirs, not ours
+        assert changed.is_set() and b.peer_id in a.connected_peers()
+        changed = a.connections_changed
+        await b.disconnect(a.peer_id)
+        with trio.fail_after(5):
+            await changed.wait()
+        changed = a.connections_changed
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=5)  # ours
+        assert changed.is_set()
+        with trio.fail_after(5):  # an ask waits for nothing once connected
+            await until_connected(a, b.peer_id)
+
+
+# When the member dials or a hole punch connect a NATed peer, in virtual seconds: under
+# AHEAD_ASK_S, the bound an ask that dialled the peer itself waited out.
+PUNCH_AFTER_S = 1.0
+
+
+async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A live peer behind a NAT, no connection to it yet: a stream to it dials its addresses
+    and hangs (the NAT drops the SYNs), and the connection a hole punch makes meanwhile goes
+    unused. Three of four nodes starting behind NATs waited out AHEAD_ASK_S on the first
+    one and started a round behind it (3 runs of 5). The ask now goes again over the
+    connection as soon as it comes; a peer whose addresses answer is asked at once still,
+    with nobody else connecting us (a second reader's finding against waiting first)."""
+    from node.algorithms import joining
+    from protocol.net.hostlike import PeerAddrs
+    from tests.fakenet import FakeHost, FakeNetwork, Faults
+
+    assert PUNCH_AFTER_S < joining.AHEAD_ASK_S
+    saved = tmp_path / "worker.ckpt"
+    saved.write_bytes(b"state of round 4 " * 100)
+    net = FakeNetwork(1, Faults())
+    async with net.running():
+        asker, first, ahead, reachable = (net.add_host(bytes([seed]) * 32) for seed in (1, 2, 3, 4))
+        for peer in (first, ahead, reachable):
+            peer.behind_nat = peer is not reachable
+            peer.tensor_refusal = lambda peer_id: None  # type: ignore[attr-defined]
+        StateOffers(first, "run", None).register()  # type: ignore[arg-type]
+        for peer in (ahead, reachable):
+            (tmp_path / peer.peer_id).mkdir()
+            offers = StateOffers(peer, "run", tmp_path / peer.peer_id)  # type: ignore[arg-type]
+            offers.register()
+            await offers.offer(saved, 4)
+            await offers.service._resolved()  # hashed now: a thread would let the clock jump
+        states = StateOffers(asker, "run", None)  # type: ignore[arg-type]
+        asked_at = trio.current_time()
+        assert await states.anyone_ahead([reachable.peer_id]) is True
+        assert trio.current_time() == asked_at  # (virtual time: nothing waited)
+
+        async def punch(peer: FakeHost) -> None:
+            await trio.sleep(PUNCH_AFTER_S)
+            await peer.connect(PeerAddrs(asker.peer_id, ()), timeout_s=1.0)
+
+        for peer, is_ahead in ((first, False), (ahead, True)):
+            net.nursery.start_soon(punch, peer)
+            asked_at = trio.current_time()
+            assert await states.anyone_ahead([peer.peer_id]) is is_ahead
+            assert trio.current_time() - asked_at == pytest.approx(PUNCH_AFTER_S)  # virtual time
 
 
 # A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ

@@ -32,7 +32,7 @@ import multiaddr
 import multiaddr.exceptions
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn, INetwork, INotifee
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
@@ -254,6 +254,36 @@ def _or_last(read: Callable[[], Sequence[multiaddr.Multiaddr]], last: list[str])
         return last
 
 
+class _ConnectionEvents(INotifee):  # type: ignore[misc]  # libp2p is untyped here
+    """libp2p's connection events (direct and relayed, ours and the peer's dials) as one
+    trio Event: ``Host.connections_changed``."""
+
+    def __init__(self) -> None:
+        self.changed = trio.Event()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._notify()
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._notify()
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
 class Host:
     """A running libp2p host with its DHT and GossipSub; create it with ``open_host``."""
 
@@ -277,6 +307,14 @@ class Host:
         self._listening: list[str] = []
         """The last addresses libp2p gave (``get_addrs``, ``get_transport_addrs``): see ``_or_last``."""
         self.stuck_connections_closed = 0
+        self._connection_events = _ConnectionEvents()
+        raw.host.get_network().register_notifee(self._connection_events)
+
+    @property
+    def connections_changed(self) -> trio.Event:
+        """Set at the next connection to or from any peer, or the end of one: take it
+        before checking ``connected_peers``, then wait on it."""
+        return self._connection_events.changed
 
     def forward_data_port(self, port: int) -> None:
         """A data channel listens on ``port`` (protocol/net/data_channel.py): the router

@@ -147,6 +147,12 @@ class HostLike(Protocol):
 
     def connected_peers(self) -> set[str]: ...
 
+    @property
+    def connections_changed(self) -> trio.Event:
+        """Set at the next connection to or from any peer, or the end of one: take it
+        before checking ``connected_peers``, then wait on it."""
+        ...
+
     async def connect(self, peer: PeerAddrs, *, timeout_s: float) -> None:
         """Connect to ``peer`` (no-op when already connected); ``DialError`` on failure."""
         ...
@@ -165,6 +171,16 @@ class DirectHostLike(HostLike, Protocol):
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
         ...
+
+
+async def until_connected(host: HostLike, peer_id: str) -> None:
+    """Until we hold a connection to ``peer_id``, however it comes (our dial, the peer's, a
+    relay, a hole punch); bound it at the call site."""
+    while True:
+        changed = host.connections_changed
+        if peer_id in host.connected_peers():
+            return
+        await changed.wait()
 
 
 @asynccontextmanager
