@@ -373,3 +373,120 @@ async def test_the_window_is_credited_in_halves_or_to_a_starved_sender_and_grows
     crowded.conn.streams[3] = others
     await libp2p_fixes._credit_in_halves(crowded, bytes_read=4 * kib)
     assert crowded.sent == [window // 2] and not crowded.grown
+
+
+def _pool_use(muxers: list[Any]) -> int:
+    """What these connections take from fix 11's pool (past their free shares)."""
+    return sum(max(0, libp2p_fixes._held(m) - libp2p_fixes.HELD_FREE_PER_CONNECTION) for m in muxers)
+
+
+async def test_past_the_pool_the_connection_holding_the_most_is_cut_even_a_silent_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fix 11's pool over all connections, on the rule itself: strangers' peer ids are free,
+    so many connections each under ``MAX_HELD_PER_CONNECTION`` could hold any total. One
+    connection filled and then silent (it sends nothing more that could be judged), then
+    Sybils filling the emptiest of them one frame at a time (a second reader's attack on a
+    first version, which cut only a frame's own connection above the mean: 47× its bound).
+    What they take never passes ``MAX_HELD_POOL``; the silent one is cut first; an honest
+    connection holding a request is never cut and is read on."""
+    mib, kib = 1 << 20, 1 << 10
+    monkeypatch.setattr(libp2p_fixes, "MAX_HELD_POOL", 8 * mib)
+    monkeypatch.setattr(libp2p_fixes, "HELD_FREE_PER_CONNECTION", mib)
+    monkeypatch.setattr(libp2p_fixes, "POOL_SLACK", mib)
+    pool = libp2p_fixes._HeldPool()
+    monkeypatch.setattr(libp2p_fixes, "_POOL", pool)
+    cut: list[str] = []
+
+    class Muxer:
+        def __init__(self, name: str, held: int) -> None:
+            self.peer_id = name
+            self.stream_buffers = {1: bytearray(held)}
+            self.streams = {1: type("Stream", (), {"recv_window": 16 * mib})()}
+            pool.muxers.add(self)  # type: ignore[arg-type]
+
+        async def _cleanup_on_error(self) -> None:
+            self.stream_buffers.clear()
+            cut.append(self.peer_id)
+
+    silent = Muxer("silent", 0)
+    sybils = [Muxer(f"sybil{i}", 0) for i in range(10)]
+    honest = Muxer("honest", 64 * kib)
+    frame = 256 * kib
+    header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, 1, frame)
+    live = [silent, *sybils, honest]
+    for i in range(28 + 400):  # 7 MiB on the silent one, then 100 MiB, 12.5 times the pool
+        target = silent if i < 28 else min(sybils, key=libp2p_fixes._held)
+        verdict = await libp2p_fixes._overrun(target, header)  # type: ignore[arg-type]
+        if verdict is None:
+            target.stream_buffers[1] += bytes(frame)
+            target._swarmtrain_pending = 0  # (buffered: the reader's next header read says so)
+        else:
+            assert verdict[1] is False  # within every window: nobody blamed
+            await target._cleanup_on_error()  # (the reader ends its own connection)
+        for sybil in [m for m in sybils if m.peer_id in cut]:  # a new peer id for each one cut
+            sybils.remove(sybil)
+            sybils.append(Muxer(f"sybil{i}", 0))
+            live.append(sybils[-1])
+        assert _pool_use([m for m in live if m.peer_id not in cut]) <= 8 * mib
+    assert cut[0] == "silent" and len(cut) > 1
+    assert "honest" not in cut
+    small = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, 1, kib)
+    assert await libp2p_fixes._overrun(honest, small) is None  # type: ignore[arg-type]
+
+
+async def test_a_silent_connection_holding_the_most_is_cut_for_a_frame_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fix 11's pool, live: one peer fills its connection (new streams with a window's worth
+    each, none read) and goes silent; two more (free peer ids) take turns doing the same.
+    The frame with no room left in the pool (2 MiB here, for speed) cuts the silent
+    connection, and what the three take never passes the pool. Nobody is blamed."""
+    pool_nbytes, free = 2 << 20, 64 << 10
+    monkeypatch.setattr(libp2p_fixes, "MAX_HELD_POOL", pool_nbytes)
+    monkeypatch.setattr(libp2p_fixes, "HELD_FREE_PER_CONNECTION", free)
+    monkeypatch.setattr(libp2p_fixes, "POOL_SLACK", 256 << 10)
+    monkeypatch.setattr(libp2p_fixes, "_POOL", libp2p_fixes._HeldPool())  # (this test's connections only)
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as victim,
+        open_host(identity_seed=b"\x03" * 32, listen_addrs=listen, announce_addrs=[]) as c,
+        open_host(identity_seed=b"\x04" * 32, listen_addrs=listen, announce_addrs=[]) as d,
+        open_host(identity_seed=b"\x05" * 32, listen_addrs=listen, announce_addrs=[]) as e,
+    ):
+        senders = [c, d, e]
+        for sender in senders:
+            await sender.connect(parse_dial_addr(victim.addrs()[0]), timeout_s=10)
+        pairs = [(_muxer(s, victim), _muxer(victim, s)) for s in senders]
+        theirs = [t for _, t in pairs]
+        uses: list[int] = []
+        judge = libp2p_fixes._overrun
+
+        async def measured(yamux: Any, header: bytes) -> Any:
+            uses.append(_pool_use(theirs))  # every frame taken so far is buffered by now
+            return await judge(yamux, header)
+
+        monkeypatch.setattr(libp2p_fixes, "_overrun", measured)
+        window = yamux_module.DEFAULT_WINDOW_SIZE
+        stream_ids = iter(range(100001, 1 << 30, 2))
+
+        async def send(ours: Any) -> bool:
+            header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, FLAG_SYN, next(stream_ids), window)
+            try:
+                await ours._write_frame(header + b"y" * window)
+            except BaseLibp2pError:  # closed by the victim meanwhile (its reset reached us)
+                return False
+            return True
+
+        with trio.fail_after(BOUND_S):
+            for _ in range((pool_nbytes - window) // window):  # the silent one: most of the pool
+                assert await send(pairs[0][0])
+            for i in range(2 * pool_nbytes // window):  # then twice what the pool holds
+                if theirs[0].event_closed.is_set():
+                    break
+                assert await send(pairs[1 + i % 2][0])
+            await theirs[0].event_closed.wait()
+        uses.append(_pool_use(theirs))
+        assert max(uses) <= pool_nbytes
+        assert not theirs[1].event_closed.is_set() and not theirs[2].event_closed.is_set()
+        assert all(victim.peers.penalty(s.peer_id) == 0 for s in senders)

@@ -111,9 +111,13 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    every window reaches it by opening more streams than we read (the constant's comment).
    A third reader found the first version of that bound (64 MiB, windows growing without
    fix 10's budget, and blame) cut off honest senders with 5 slow streams on a 50 ms
-   round trip. Frames for streams already gone are read and
-   dropped, as before: a reset racing data in flight, and nothing is kept. Tests:
-   tests/test_yamux_reader.py (a sender past its window; many streams).
+   round trip. And what a connection holds past ``HELD_FREE_PER_CONNECTION`` comes out of
+   one pool, ``MAX_HELD_POOL``, for the process (peer ids are free: 300 connections at
+   256 MiB each): a frame with no room cuts the connection holding the most, without
+   blame, a silent one too (the constants' comment). Frames for streams already
+   gone are read and dropped, as before: a reset racing data in flight, and nothing is
+   kept. Tests: tests/test_yamux_reader.py (a sender past its window; many streams; the
+   pool).
 """
 
 import contextlib
@@ -179,6 +183,34 @@ MAX_GRANTED_PER_CONNECTION = 64 << 20
 # peer); 400 streams opened with a window's worth each held 100 MiB in a second reader's
 # probe, and a stranger could go on opening them.
 MAX_HELD_PER_CONNECTION = 256 << 20
+# Fix 11's pool over every connection of the process: a stranger's peer ids cost nothing,
+# and libp2p takes 300 connections (250 inbound), each up to the bound above (75 GiB). What
+# a connection holds unread past HELD_FREE_PER_CONNECTION comes out of one pool of
+# MAX_HELD_POOL; a frame it has no room for cuts the connection holding the most (a silent
+# one too: it sends nothing more that could be judged), without blame, until the pool is
+# back under MAX_HELD_POOL - POOL_SLACK. Honest connections hold what fix 10's budget grants
+# them (64 MiB at most), mostly a few requests under their free share.
+MAX_HELD_POOL = 1 << 30
+HELD_FREE_PER_CONNECTION = 1 << 20
+# The pool is summed (every stream of every connection) only when what it may hold by then
+# (its last sum plus the frames taken since) passes MAX_HELD_POOL; a sum leaves it at most
+# MAX_HELD_POOL - POOL_SLACK, so a stranger pays each sum with this much of its own frames.
+POOL_SLACK = 64 << 20
+# How long a cut may take to close the connection (its buffers go at once).
+CUT_CLOSE_S = 1.0
+
+
+class _HeldPool:
+    """Fix 11's pool: the live connections, and an upper bound on what they hold past their
+    free shares (``used`` at the last sum, ``since``: frames taken since)."""
+
+    def __init__(self) -> None:
+        self.muxers: weakref.WeakSet[Yamux] = weakref.WeakSet()
+        self.used = 0
+        self.since = 0
+
+
+_POOL = _HeldPool()
 # Fix 9: the pauses before each next try of a failing slot renewal (the last one repeats),
 # and the shortest time between two renewals of one slot.
 RENEW_RETRY_S = (1.0, 2.0, 4.0, 8.0)
@@ -260,7 +292,11 @@ async def _yamux_reader_task(self: Yamux, task_status: Any = trio.TASK_STATUS_IG
     self._swarmtrain_owed = 0
     with contextlib.suppress(AttributeError):  # (a connection type that takes none: no fix 11 on it)
         self.secured_conn._swarmtrain_yamux = weakref.ref(self)
-    await _yamux_reader(self, task_status=task_status)
+    _POOL.muxers.add(self)
+    try:
+        await _yamux_reader(self, task_status=task_status)
+    finally:
+        _POOL.muxers.discard(self)
 
 
 async def _yamux_control_frame(self: Yamux, data: bytes) -> None:
@@ -406,11 +442,13 @@ _yamux_read_exactly = _yamux.read_exactly
 async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
     """Yamux's reads through the module's ``read_exactly``: the frame headers only, since
     ``_read_data_body`` reads bodies itself. Fix 11 judges each before its frame is read on."""
-    data: bytes = await _yamux_read_exactly(reader, n, *args, **kwargs)
     owner = getattr(reader, "_swarmtrain_yamux", None)
     yamux = owner() if isinstance(owner, weakref.ref) else None
+    if isinstance(yamux, Yamux):
+        yamux._swarmtrain_pending = 0  # the last frame's bytes are buffered (or dropped) by now
+    data: bytes = await _yamux_read_exactly(reader, n, *args, **kwargs)
     if isinstance(yamux, Yamux) and len(data) == HEADER_SIZE:
-        overrun = _overrun(yamux, data)
+        overrun = await _overrun(yamux, data)
         if overrun is not None:
             reason, blame = overrun
             logger.warning("%s from %s: connection closed", reason, yamux.peer_id)
@@ -424,10 +462,10 @@ async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> 
     return data
 
 
-def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
+async def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
     """Why a frame with this header must not be read (fix 11), and whether its sender is to
     blame (past its window: yes; past the connection's bound, which a sender within every
-    window can reach by opening streams faster than we read them: no), or None."""
+    window can reach by opening streams faster than we read them, or the pool's: no), or None."""
     _, typ, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, header)
     if typ != TYPE_DATA or length == 0:
         return None
@@ -437,10 +475,54 @@ def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
         return None  # a stream already gone: libp2p reads the body and drops it
     if length > allowed:
         return f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}", True
-    held = sum(len(buffer) for buffer in yamux.stream_buffers.values())
+    held = _held(yamux)
     if held + length > MAX_HELD_PER_CONNECTION:
         return f"yamux: a {length}-byte frame on top of {held} bytes unread, past {MAX_HELD_PER_CONNECTION}", False
+    taken = min(length, held + length - HELD_FREE_PER_CONNECTION)
+    if taken > 0:
+        if not await _room_in_the_pool(yamux, taken):
+            return f"yamux: a {length}-byte frame on top of {held} bytes unread, the most of any, past the pool", False
+        yamux._swarmtrain_pending = taken  # taken from the pool, not yet in its buffers
     return None
+
+
+async def _room_in_the_pool(yamux: Yamux, taken: int) -> bool:
+    """Whether ``yamux`` may take ``taken`` more bytes from the pool (fix 11), cutting the
+    connections that hold the most until there is room; False when that is ``yamux``."""
+    _POOL.since += taken
+    if _POOL.used + _POOL.since <= MAX_HELD_POOL:
+        return True
+    while True:
+        shares = {m: _share(m) for m in list(_POOL.muxers)}
+        shares[yamux] = shares.get(yamux, 0) + taken
+        _POOL.used, _POOL.since = sum(shares.values()), 0
+        if _POOL.used <= MAX_HELD_POOL - POOL_SLACK:
+            return True
+        largest = max(shares, key=lambda m: shares[m])
+        _POOL.muxers.discard(largest)
+        _POOL.used -= shares[largest]  # (ours: with this frame, which is not taken)
+        if largest is yamux:
+            return False
+        logger.warning(
+            "yamux: %d bytes unread on the connection from %s, the most of any, cut to make room for %s's frame",
+            shares[largest] + HELD_FREE_PER_CONNECTION,
+            largest.peer_id,
+            yamux.peer_id,
+        )
+        with trio.move_on_after(CUT_CLOSE_S):
+            await largest._cleanup_on_error()  # its buffers go first; its reader then ends
+
+
+def _held(yamux: Yamux) -> int:
+    """What a connection's streams hold unread."""
+    return sum(len(buffer) for buffer in yamux.stream_buffers.values())
+
+
+def _share(yamux: Yamux) -> int:
+    """What a connection takes from the pool: held past its free share, and the frame its
+    reader judged and reads on (another reader may sum the pool meanwhile)."""
+    pending = getattr(yamux, "_swarmtrain_pending", 0)
+    return max(0, _held(yamux) - HELD_FREE_PER_CONNECTION) + (pending if type(pending) is int else 0)
 
 
 async def _yamux_read_data_body(self: Yamux, length: int) -> bytes:
