@@ -208,16 +208,19 @@ PUNCH_AFTER_S = 1.0
 
 
 async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
     """A live peer behind a NAT, no connection to it yet: a stream to it dials its addresses
     and hangs (the NAT drops the SYNs), and the connection a hole punch makes meanwhile goes
     unused. Three of four nodes starting behind NATs waited out AHEAD_ASK_S on the first
-    one and started a round behind it (3 runs of 5). The ask now goes again over the
-    connection as soon as it comes; a peer whose addresses answer is asked at once still,
-    with nobody else connecting us (a second reader's finding against waiting first)."""
+    one and started a round behind it (3 runs of 5). The ask's stream is now opened again
+    over the connection as soon as it comes (``open_stream_racing``); a peer whose
+    addresses answer is asked at once still, with nobody else connecting us (a second
+    reader's finding against waiting first); one exchange, one judgment of a bad answer
+    (a third reader's finding against racing two asks)."""
     from node.algorithms import joining
     from protocol.net.hostlike import PeerAddrs
+    from protocol.net.peers import PENALTY_POINTS
     from tests.fakenet import FakeHost, FakeNetwork, Faults
 
     assert PUNCH_AFTER_S < joining.AHEAD_ASK_S
@@ -237,9 +240,18 @@ async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
             await offers.offer(saved, 4)
             await offers.service._resolved()  # hashed now: a thread would let the clock jump
         states = StateOffers(asker, "run", None)  # type: ignore[arg-type]
+        served: list[str] = []
+        serve = FakeHost._serve
+
+        async def counted(host: FakeHost, protocol_id: str, stream: Any) -> None:
+            served.append(host.peer_id)
+            await serve(host, protocol_id, stream)
+
+        monkeypatch.setattr(FakeHost, "_serve", counted)
         asked_at = trio.current_time()
         assert await states.anyone_ahead([reachable.peer_id]) is True
         assert trio.current_time() == asked_at  # (virtual time: nothing waited)
+        assert served == [reachable.peer_id]  # (here the open that dialled wins at once: no second stream)
 
         async def punch(peer: FakeHost) -> None:
             await trio.sleep(PUNCH_AFTER_S)
@@ -250,6 +262,17 @@ async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
             asked_at = trio.current_time()
             assert await states.anyone_ahead([peer.peer_id]) is is_ahead
             assert trio.current_time() - asked_at == pytest.approx(PUNCH_AFTER_S)  # virtual time
+        assert served.count(first.peer_id) == served.count(ahead.peer_id) == 1
+
+        async def garbled(stream: Any) -> None:
+            await stream.write(b"\xff" * 64)  # no header of ours
+
+        liar = net.add_host(bytes([5]) * 32)
+        liar.behind_nat = True
+        liar.set_handler(joining.PROTOCOL_ID, garbled)
+        net.nursery.start_soon(punch, liar)
+        assert await states.anyone_ahead([liar.peer_id]) is False
+        assert asker.peers.penalty(liar.peer_id) == PENALTY_POINTS  # judged once, whichever stream asked
 
 
 # A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ

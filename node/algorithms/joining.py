@@ -32,7 +32,6 @@ import trio
 from node.algorithms import savedstate
 from protocol.errors import ProtocolError
 from protocol.net.host import Host
-from protocol.net.hostlike import until_connected
 
 logger = logging.getLogger("node.training")
 
@@ -91,7 +90,6 @@ def vouched_round(rounds: list[int]) -> int | None:
 
 class StateOffers:
     def __init__(self, host: Host, run_id: str, directory: Path | None) -> None:
-        self._host = host
         self._run_id = run_id
         self._directory = directory
         self.service = savedstate.ZoCheckpoints(host, run_id, max_nbytes=MAX_STATE_NBYTES, protocol_id=PROTOCOL_ID)
@@ -147,7 +145,7 @@ class StateOffers:
 
             async def ask(peer_id: str) -> None:
                 try:
-                    head = await self._head(peer_id)
+                    head = await self.service.head(peer_id)
                 except ProtocolError as exc:
                     logger.info("no state header from %s: %s", peer_id, exc)
                     return
@@ -159,39 +157,6 @@ class StateOffers:
             for peer_id in partners:
                 nursery.start_soon(ask, peer_id)
         return heads
-
-    async def _head(self, peer_id: str) -> savedstate.Offer | None:
-        """What ``peer_id`` offers. With no connection to it yet, asked at once (the ask
-        dials its addresses) and asked again as soon as a connection comes while that ask
-        still dials: a NATed peer's addresses drop the SYNs, the dial hangs, and the
-        connection the member dials or a hole punch make meanwhile went unused (three of
-        four nodes starting behind NATs waited out AHEAD_ASK_S on the first one and started
-        a round behind it, 9 of 10 rounds with a partner: 3 runs of 5). The first answer
-        counts; with none, the first ask's error."""
-        if peer_id in self._host.connected_peers():
-            return await self.service.head(peer_id)
-        answers: list[savedstate.Offer | None] = []
-        errors: list[ProtocolError] = []
-        async with trio.open_nursery() as nursery:
-
-            async def attempt(once_connected: bool) -> None:
-                if once_connected:
-                    with trio.move_on_after(savedstate.HEADER_TIMEOUT_S) as waited:
-                        await until_connected(self._host, peer_id)
-                    if waited.cancelled_caught:
-                        return
-                try:
-                    answers.append(await self.service.head(peer_id))
-                except ProtocolError as exc:
-                    errors.append(exc)
-                    return
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(attempt, False)
-            nursery.start_soon(attempt, True)
-        if answers:
-            return answers[0]
-        raise errors[0] if errors else ProtocolError(f"no connection to {peer_id}")
 
     async def anyone_ahead(self, partners: list[str]) -> bool:
         """Whether any of these peers offers a round's state (it is past round 0): as soon

@@ -114,7 +114,13 @@ class ZoCheckpoints:
         timeout_s = TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S
         what = "zo checkpoint"
         async with exchange(
-            self._host, peer_id, self._protocol_id, what=what, timeout_s=timeout_s, open_timeout_s=HEADER_TIMEOUT_S
+            self._host,
+            peer_id,
+            self._protocol_id,
+            what=what,
+            timeout_s=timeout_s,
+            open_timeout_s=HEADER_TIMEOUT_S,
+            race_connection=True,  # a starting node asks peers it may not be connected to yet
         ) as stream:
             await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
             try:

@@ -21,11 +21,12 @@ stream is a ``StreamError``, of a dial a ``DialError`` (protocol/errors.py).
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol, TypeVar
 
 import trio
 
-from protocol.errors import Overdue, ProtocolError
+from protocol.errors import Overdue, ProtocolError, StreamError
 from protocol.net.guard import Guard
 from protocol.net.peers import PeerTable
 
@@ -183,12 +184,60 @@ async def until_connected(host: HostLike, peer_id: str) -> None:
         await changed.wait()
 
 
+async def open_stream_racing(host: HostLike, peer_id: str, protocol_id: str, *, timeout_s: float) -> StreamLike:
+    """A new stream to ``peer_id`` as ``open_stream`` opens it, and besides, while that open
+    still dials, over a connection that comes some other way meanwhile (the member dials, the
+    peer's own dial, a hole punch): a NATed peer's addresses drop a dial's SYNs and the open
+    hangs for its whole timeout, with the connection beside it unused (three of four nodes
+    starting behind NATs waited out a start's ask on the first one and started a round
+    behind it). The first stream opened is the one; the other is reset before it carries a
+    request (a connection our own open's dial made wakes the second open too: two streams
+    negotiated, one exchange, one judgment). An open that fails at once still waits for a
+    connection until ``timeout_s`` (a private address that refuses: the relay's connection
+    comes a second later); its error then."""
+    if peer_id in host.connected_peers():
+        return await host.open_stream(peer_id, protocol_id, timeout_s=timeout_s)
+    opened: list[StreamLike] = []
+    errors: list[ProtocolError] = []
+    with trio.move_on_after(timeout_s):
+        async with trio.open_nursery() as nursery:
+
+            async def attempt(once_connected: bool) -> None:
+                if once_connected:
+                    await until_connected(host, peer_id)
+                try:
+                    stream = await host.open_stream(peer_id, protocol_id, timeout_s=timeout_s)
+                except ProtocolError as exc:
+                    errors.append(exc)
+                    return
+                if opened:
+                    with trio.CancelScope(shield=True):
+                        await stream.reset()
+                    return
+                opened.append(stream)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(attempt, False)
+            nursery.start_soon(attempt, True)
+    if opened:
+        return opened[0]
+    raise errors[0] if errors else StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
+
+
 @asynccontextmanager
 async def exchange(
-    host: HostLike, peer_id: str, protocol_id: str, *, what: str, timeout_s: float, open_timeout_s: float | None = None
+    host: HostLike,
+    peer_id: str,
+    protocol_id: str,
+    *,
+    what: str,
+    timeout_s: float,
+    open_timeout_s: float | None = None,
+    race_connection: bool = False,
 ) -> AsyncIterator[StreamLike]:
     """One exchange of ours with ``peer_id`` on a new stream, ``timeout_s`` in all (the open
-    within ``open_timeout_s``, by default the same).
+    within ``open_timeout_s``, by default the same; ``race_connection``: opened by
+    ``open_stream_racing``, for a peer we may hold no connection to yet).
 
     The stream goes on the way out, whatever happened: closed after the body returned,
     reset otherwise, our own timeout included (a stream left behind holds one of yamux's
@@ -197,8 +246,9 @@ async def exchange(
     costs the peer) and raised on; the timeout becomes a ``ProtocolError`` naming ``what``,
     not judged (the slow one may be us).
     """
+    open_stream = partial(open_stream_racing, host) if race_connection else host.open_stream
     with trio.move_on_after(timeout_s) as scope:
-        stream = await host.open_stream(peer_id, protocol_id, timeout_s=open_timeout_s or timeout_s)
+        stream = await open_stream(peer_id, protocol_id, timeout_s=open_timeout_s or timeout_s)
         try:
             yield stream
         except ProtocolError as exc:
