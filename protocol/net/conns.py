@@ -23,7 +23,11 @@ def socket_stream_of(conn: object) -> trio.SocketStream | None:
 
     A relayed connection ends in a stream over another peer, not in a socket: None.
     """
-    layer: object = getattr(conn, "muxed_conn", None)
+    return socket_under(getattr(conn, "muxed_conn", None))
+
+
+def socket_under(layer: object) -> trio.SocketStream | None:
+    """The TCP socket under one layer of a connection's stack (its muxer, its security)."""
     for _ in range(8):  # the stack is 5 layers deep in 0.8.1
         if layer is None or isinstance(layer, trio.SocketStream):
             break

@@ -115,9 +115,11 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    one pool, ``MAX_HELD_POOL``, for the process (peer ids are free: 300 connections at
    256 MiB each): a frame with no room cuts the connection holding the most, without
    blame, a silent one too (the constants' comment). Frames for streams already
-   gone are read and dropped, as before: a reset racing data in flight, and nothing is
-   kept. Tests: tests/test_yamux_reader.py (a sender past its window; many streams; the
-   pool).
+   gone are read and dropped, as before (a reset racing data in flight, and nothing is
+   kept), up to the largest window; a frame on a stream id ours to open and not opened
+   yet earns a point (its body would land in the stream we open meanwhile). Tests:
+   tests/test_yamux_reader.py (a sender past its window; many streams; the pool; no
+   stream).
 """
 
 import contextlib
@@ -154,6 +156,7 @@ from libp2p.stream_muxer.yamux.yamux import (
     FLAG_RST,
     FLAG_SYN,
     HEADER_SIZE,
+    MAX_WINDOW_SIZE,
     TYPE_DATA,
     TYPE_WINDOW_UPDATE,
     YAMUX_HEADER_FORMAT,
@@ -162,6 +165,7 @@ from libp2p.stream_muxer.yamux.yamux import (
 )
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
+from protocol.net.conns import socket_under
 from protocol.net.guard import Guard
 
 logger = logging.getLogger(__name__)
@@ -196,7 +200,8 @@ HELD_FREE_PER_CONNECTION = 1 << 20
 # (its last sum plus the frames taken since) passes MAX_HELD_POOL; a sum leaves it at most
 # MAX_HELD_POOL - POOL_SLACK, so a stranger pays each sum with this much of its own frames.
 POOL_SLACK = 64 << 20
-# How long a cut may take to close the connection (its buffers go at once).
+# How long a cut may take to close the connection (its buffers go at once, its socket is
+# closed first): the reader that cuts waits that long at most.
 CUT_CLOSE_S = 1.0
 
 
@@ -464,17 +469,32 @@ async def _yamux_read_header(reader: Any, n: int, *args: Any, **kwargs: Any) -> 
 
 async def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
     """Why a frame with this header must not be read (fix 11), and whether its sender is to
-    blame (past its window: yes; past the connection's bound, which a sender within every
-    window can reach by opening streams faster than we read them, or the pool's: no), or None."""
+    blame (past its window, or on a stream we never opened: yes; past the connection's
+    bound, which a sender within every window can reach by opening streams faster than we
+    read them, or the pool's: no), or None."""
     _, typ, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, header)
     if typ != TYPE_DATA or length == 0:
         return None
+    if getattr(yamux, "_swarmtrain_cut", False):
+        return "yamux: a frame on a connection cut for the pool", False
     stream = yamux.streams.get(stream_id)
-    allowed = stream.recv_window if stream is not None else DEFAULT_WINDOW_SIZE if flags & FLAG_SYN else None
-    if allowed is None:
-        return None  # a stream already gone: libp2p reads the body and drops it
+    if stream is not None:
+        allowed = stream.recv_window
+    elif flags & FLAG_SYN:
+        allowed = DEFAULT_WINDOW_SIZE
+    elif stream_id % 2 == yamux.next_stream_id % 2 and stream_id >= yamux.next_stream_id:
+        # Ours to open, not opened yet: the body would land in the stream we open meanwhile.
+        return f"yamux: a {length}-byte frame on stream {stream_id}, which we never opened", True
+    else:
+        allowed = MAX_WINDOW_SIZE  # gone (a reset racing data in flight): read and dropped
     if length > allowed:
         return f"yamux: a {length}-byte frame on stream {stream_id} past its window of {allowed}", True
+    # What the connection holds is summed (over its streams) only once an upper bound of it,
+    # the last sum and the frames since, passes its free share: never for a few requests.
+    upper = getattr(yamux, "_swarmtrain_upper", 0) + length
+    if upper <= min(HELD_FREE_PER_CONNECTION, MAX_HELD_PER_CONNECTION):
+        yamux._swarmtrain_upper = upper
+        return None
     held = _held(yamux)
     if held + length > MAX_HELD_PER_CONNECTION:
         return f"yamux: a {length}-byte frame on top of {held} bytes unread, past {MAX_HELD_PER_CONNECTION}", False
@@ -483,34 +503,52 @@ async def _overrun(yamux: Yamux, header: bytes) -> tuple[str, bool] | None:
         if not await _room_in_the_pool(yamux, taken):
             return f"yamux: a {length}-byte frame on top of {held} bytes unread, the most of any, past the pool", False
         yamux._swarmtrain_pending = taken  # taken from the pool, not yet in its buffers
+    yamux._swarmtrain_upper = held + length
     return None
 
 
 async def _room_in_the_pool(yamux: Yamux, taken: int) -> bool:
-    """Whether ``yamux`` may take ``taken`` more bytes from the pool (fix 11), cutting the
-    connections that hold the most until there is room; False when that is ``yamux``."""
+    """Whether ``yamux`` may take ``taken`` more bytes from the pool (fix 11): when the pool's
+    upper bound passes, it is summed, and the connections holding the most are cut until it
+    is ``POOL_SLACK`` under; False when ``yamux`` is one of them."""
     _POOL.since += taken
     if _POOL.used + _POOL.since <= MAX_HELD_POOL:
         return True
-    while True:
-        shares = {m: _share(m) for m in list(_POOL.muxers)}
-        shares[yamux] = shares.get(yamux, 0) + taken
-        _POOL.used, _POOL.since = sum(shares.values()), 0
-        if _POOL.used <= MAX_HELD_POOL - POOL_SLACK:
-            return True
-        largest = max(shares, key=lambda m: shares[m])
-        _POOL.muxers.discard(largest)
+    shares = {m: _share(m) for m in list(_POOL.muxers)}
+    shares[yamux] = shares.get(yamux, 0) + taken
+    _POOL.used, _POOL.since = sum(shares.values()), 0
+    room = True
+    while _POOL.used > MAX_HELD_POOL - POOL_SLACK:
+        candidates = [m for m in shares if not getattr(m, "_swarmtrain_cut", False)]
+        if not candidates:
+            break
+        largest = max(candidates, key=lambda m: shares[m])
         _POOL.used -= shares[largest]  # (ours: with this frame, which is not taken)
+        _cut(largest)
         if largest is yamux:
-            return False
+            room = False
+            continue
         logger.warning(
             "yamux: %d bytes unread on the connection from %s, the most of any, cut to make room for %s's frame",
             shares[largest] + HELD_FREE_PER_CONNECTION,
             largest.peer_id,
             yamux.peer_id,
         )
+        sock = socket_under(largest)
+        if sock is not None:
+            await trio.aclose_forcefully(sock)  # a close stuck on a write behind a full pipe ends too
         with trio.move_on_after(CUT_CLOSE_S):
-            await largest._cleanup_on_error()  # its buffers go first; its reader then ends
+            await largest._cleanup_on_error()
+    return room
+
+
+def _cut(yamux: Yamux) -> None:
+    """A connection cut for the pool: its bytes go now, whatever its close does (a close
+    waits for the streams' lock, which a write behind a full pipe may hold), and any frame
+    of it from now on is refused. It stays counted until its reader ends."""
+    yamux._swarmtrain_cut = True
+    for buffer in yamux.stream_buffers.values():
+        buffer.clear()
 
 
 def _held(yamux: Yamux) -> int:
