@@ -532,3 +532,24 @@ async def test_a_frame_on_no_stream_of_ours_past_what_could_be_in_flight_is_refu
                 await changed.wait()
                 changed = b.peers.changed
         assert b.peers.penalty(a.peer_id) > 0
+
+
+async def test_a_ban_cuts_the_peer_off_though_libp2ps_close_waits_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ban closes the peer's connections; libp2p's close waits for the connection's stream
+    lock, which a write to a peer that stopped reading holds for good (held here by the test).
+    The ban ran shielded inside a connection's reader (fix 11's penalty), so it hung with it
+    (a third reader's finding). Now the peer's sockets are closed first and the close is
+    bounded: the ban returns, and the peer sees its connection end."""
+    from protocol.net import host as host_module
+
+    monkeypatch.setattr(host_module, "STREAM_CLOSE_TIMEOUT_S", 0.5)
+    async with two_hosts() as (a, b):
+        await a.connect(parse_dial_addr(b.addrs()[0]), timeout_s=10)
+        ours, theirs = _muxer(a, b), _muxer(b, a)
+        await theirs.streams_lock.acquire()  # (a writer stuck behind a full pipe holds it)
+        try:
+            with trio.fail_after(BOUND_S):
+                assert await b.punish(a.peer_id, "test", points=BAN_POINTS)
+                await ours.event_closed.wait()
+        finally:
+            theirs.streams_lock.release()

@@ -334,7 +334,15 @@ class Host:
         return await self.guard.punish(peer_id, reason, points=points)
 
     async def _on_ban(self, peer_id: str) -> None:
-        await self.disconnect(peer_id)
+        """A ban cuts the peer off: its sockets first, then libp2p's close, bounded. A close
+        waits for its yamux's stream lock, which a write to a peer that stopped reading holds
+        for good (a reader's probe); the ban runs shielded in a connection's reader (fix 11),
+        which waited with it."""
+        for stream in self.socket_streams(peer_id):
+            await trio.aclose_forcefully(stream)
+        with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
+            await self.disconnect(peer_id)
+        self._forget_closed_connections(peer_id)
 
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
