@@ -275,6 +275,60 @@ async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
         assert asker.peers.penalty(liar.peer_id) == PENALTY_POINTS  # judged once, whichever stream asked
 
 
+# A stand-in host's timings, virtual seconds: our own dial, a stream's negotiation, and
+# libp2p's shielded reset of a stream cancelled mid-negotiation; the caller's bound falls
+# after the winner opened (DIAL_S + NEGOTIATE_S) and inside the loser's reset.
+DIAL_S, NEGOTIATE_S, RESET_S = 0.1, 0.05, 0.05
+CALLER_BOUND_S = DIAL_S + NEGOTIATE_S + RESET_S / 2
+
+
+async def test_a_stream_won_by_a_racing_open_is_reset_when_the_caller_gives_up_meanwhile(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``open_stream_racing``: our own dial makes the connection, which wakes the second open
+    too; the first stream opened wins and the loser is cancelled, which libp2p answers with
+    a shielded reset. A caller's bound landing then (``anyone_ahead``'s, the first offer
+    of several asks) must not leave the won stream open: its peer waits for our request,
+    then judges us (a third reader's probe)."""
+    from protocol.net.hostlike import open_stream_racing
+
+    class Stream:
+        reset_done = False
+
+        async def reset(self) -> None:
+            self.reset_done = True
+
+    class Host:
+        def __init__(self) -> None:
+            self.connected: set[str] = set()
+            self.connections_changed = trio.Event()
+            self.streams: list[Stream] = []
+
+        def connected_peers(self) -> set[str]:
+            return set(self.connected)
+
+        async def open_stream(self, peer_id: str, protocol_id: str, *, timeout_s: float) -> Stream:
+            if peer_id not in self.connected:
+                await trio.sleep(DIAL_S)
+                self.connected.add(peer_id)
+                changed, self.connections_changed = self.connections_changed, trio.Event()
+                changed.set()
+            try:
+                await trio.sleep(NEGOTIATE_S)
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(RESET_S)
+                raise
+            self.streams.append(Stream())
+            return self.streams[-1]
+
+    host = Host()
+    with trio.move_on_after(CALLER_BOUND_S) as bound:
+        await open_stream_racing(host, "peer", "/p/1", timeout_s=10.0)  # type: ignore[arg-type]
+    assert bound.cancelled_caught
+    assert len(host.streams) == 1 and host.streams[0].reset_done
+
+
 # A partner's φ shifted by this many of its own updates: past the bound of 16 (honest Δ
 # ratios reach 1.74, so ≥ 16 for most tensors) and within the attack margin of 128 (at most
 # 30 × 1.74 + the honest gap of 3.7): refused as a replica that drifted, not as an attack.

@@ -414,6 +414,8 @@ async def test_past_the_pool_the_connection_holding_the_most_is_cut_even_a_silen
             self.peer_id = name
             self.stream_buffers = {1: bytearray(held)}
             self.streams = {1: type("Stream", (), {"recv_window": 16 * mib})()}
+            self.stream_events = {1: trio.Event()}
+            self.event_shutting_down = trio.Event()
             pool.muxers.add(self)  # type: ignore[arg-type]
 
         async def _cleanup_on_error(self) -> None:
@@ -446,6 +448,7 @@ async def test_past_the_pool_the_connection_holding_the_most_is_cut_even_a_silen
             live.append(sybils[-1])
         assert _pool_use(live) <= 8 * mib
     assert cut[0] == "silent" and len(cut) > 1
+    assert silent.event_shutting_down.is_set() and silent.stream_events[1].is_set()  # its readers end at once
     assert "honest" not in cut
     small = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, 1, kib)
     assert await libp2p_fixes._overrun(honest, small) is None  # type: ignore[arg-type]

@@ -145,7 +145,7 @@ class StateOffers:
 
             async def ask(peer_id: str) -> None:
                 try:
-                    head = await self.service.head(peer_id)
+                    head = await self.service.head(peer_id, race_connection=True)
                 except ProtocolError as exc:
                     logger.info("no state header from %s: %s", peer_id, exc)
                     return

@@ -106,11 +106,13 @@ class ZoCheckpoints:
         """
         return await self._ask(peer_id, dest)
 
-    async def head(self, peer_id: str) -> Offer | None:
-        """What ``peer_id`` offers (round, vector, weights hash), without the file."""
-        return await self._ask(peer_id, None)
+    async def head(self, peer_id: str, *, race_connection: bool = False) -> Offer | None:
+        """What ``peer_id`` offers (round, vector, weights hash), without the file;
+        ``race_connection``: for a node starting or joining, which may hold no connection
+        to it yet (``open_stream_racing``: an open that fails at once waits for one)."""
+        return await self._ask(peer_id, None, race_connection=race_connection)
 
-    async def _ask(self, peer_id: str, dest: Path | None) -> Offer | None:
+    async def _ask(self, peer_id: str, dest: Path | None, *, race_connection: bool = False) -> Offer | None:
         timeout_s = TRANSFER_TIMEOUT_S if dest is not None else HEADER_TIMEOUT_S
         what = "zo checkpoint"
         async with exchange(
@@ -120,7 +122,7 @@ class ZoCheckpoints:
             what=what,
             timeout_s=timeout_s,
             open_timeout_s=HEADER_TIMEOUT_S,
-            race_connection=True,  # a starting node asks peers it may not be connected to yet
+            race_connection=race_connection,
         ) as stream:
             await wire.send(stream, "ckpt?", VERSION, {"run": self._run_id, "head": dest is None})
             try:

@@ -338,11 +338,12 @@ class Host:
         waits for its yamux's stream lock, which a write to a peer that stopped reading holds
         for good (a reader's probe); the ban runs shielded in a connection's reader (fix 11),
         which waited with it."""
-        for stream in self.socket_streams(peer_id):
-            await trio.aclose_forcefully(stream)
-        with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
-            await self.disconnect(peer_id)
-        self._forget_closed_connections(peer_id)
+        with trio.CancelScope(shield=True):  # half a ban (sockets closed, connections listed) helps nobody
+            for stream in self.socket_streams(peer_id):
+                await trio.aclose_forcefully(stream)
+            with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
+                await self.disconnect(peer_id)
+            self._forget_closed_connections(peer_id)
 
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.

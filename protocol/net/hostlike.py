@@ -194,11 +194,36 @@ async def open_stream_racing(host: HostLike, peer_id: str, protocol_id: str, *, 
     request (a connection our own open's dial made wakes the second open too: two streams
     negotiated, one exchange, one judgment). An open that fails at once still waits for a
     connection until ``timeout_s`` (a private address that refuses: the relay's connection
-    comes a second later); its error then."""
+    comes a second later): only for asks that expect a connection to come (a starting or
+    joining node's), not for a peer asked again and again."""
     if peer_id in host.connected_peers():
         return await host.open_stream(peer_id, protocol_id, timeout_s=timeout_s)
     opened: list[StreamLike] = []
     errors: list[ProtocolError] = []
+    try:
+        await _race_opens(host, peer_id, protocol_id, timeout_s, opened, errors)
+    except BaseException:
+        # Cancelled while the losing open was still being reset (a caller's bound, the
+        # first answer of several asks): the stream won must not be left open (its peer
+        # would wait for our request, then judge us).
+        if opened:
+            with trio.CancelScope(shield=True):
+                await opened[0].reset()
+        raise
+    if opened:
+        return opened[0]
+    raise errors[0] if errors else StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
+
+
+async def _race_opens(
+    host: HostLike,
+    peer_id: str,
+    protocol_id: str,
+    timeout_s: float,
+    opened: list[StreamLike],
+    errors: list[ProtocolError],
+) -> None:
+    """``open_stream_racing``'s two opens: the first stream opened into ``opened``."""
     with trio.move_on_after(timeout_s):
         async with trio.open_nursery() as nursery:
 
@@ -219,9 +244,6 @@ async def open_stream_racing(host: HostLike, peer_id: str, protocol_id: str, *, 
 
             nursery.start_soon(attempt, False)
             nursery.start_soon(attempt, True)
-    if opened:
-        return opened[0]
-    raise errors[0] if errors else StreamError(f"open {protocol_id} to {peer_id} timed out after {timeout_s:g} s")
 
 
 @asynccontextmanager

@@ -549,6 +549,11 @@ def _cut(yamux: Yamux) -> None:
     yamux._swarmtrain_cut = True
     for buffer in yamux.stream_buffers.values():
         buffer.clear()
+    # Its streams' readers end now, at EOF: not on a body appended after the cut to a
+    # buffer emptied under it (a tail whose head is gone, parsed as a peer's bad message).
+    yamux.event_shutting_down.set()
+    for event in yamux.stream_events.values():
+        event.set()
 
 
 def _held(yamux: Yamux) -> int:
