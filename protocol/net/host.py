@@ -338,12 +338,7 @@ class Host:
         waits for its yamux's stream lock, which a write to a peer that stopped reading holds
         for good (a reader's probe); the ban runs shielded in a connection's reader (fix 11),
         which waited with it."""
-        with trio.CancelScope(shield=True):  # half a ban (sockets closed, connections listed) helps nobody
-            for stream in self.socket_streams(peer_id):
-                await trio.aclose_forcefully(stream)
-            with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
-                await self.disconnect(peer_id)
-            self._forget_closed_connections(peer_id)
+        await self._close_connections(peer_id)
 
     def addrs(self) -> list[str]:
         """Addresses peers should dial, each ending in /p2p/<our peer id>.
@@ -507,12 +502,18 @@ class Host:
         del self._open_failures[peer_id]
         self.stuck_connections_closed += 1
         logger.info("%d streams in a row to %s did not open: closing its connections to dial afresh", failures, peer_id)
-        # The sockets first: a close that writes its goodbye behind a stuck write would wait.
-        for stream in self.socket_streams(peer_id):
-            await trio.aclose_forcefully(stream)
-        with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
-            await self.disconnect(peer_id)
-        self._forget_closed_connections(peer_id)
+        await self._close_connections(peer_id)
+
+    async def _close_connections(self, peer_id: str) -> None:
+        """Every connection to ``peer_id`` ends, shielded (half of it, sockets closed and
+        connections still listed, helps nobody): the sockets first, since a close that writes
+        its goodbye behind a stuck write would wait, then libp2p's close, bounded."""
+        with trio.CancelScope(shield=True):
+            for stream in self.socket_streams(peer_id):
+                await trio.aclose_forcefully(stream)
+            with trio.move_on_after(STREAM_CLOSE_TIMEOUT_S):
+                await self.disconnect(peer_id)
+            self._forget_closed_connections(peer_id)
 
     def _forget_closed_connections(self, peer_id: str) -> None:
         """Drop connections to ``peer_id`` that are closed but still listed. libp2p removes a
