@@ -97,6 +97,7 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
         "block": block,
         "num_warps": zo_apply.num_warps_for(block, 1),
         "num_warps_v2": zo_apply.num_warps_for(block, 2),
+        "num_warps_v3": zo_apply.num_warps_for(block, 3),
     }
     rates: dict[str, float] = {}
     host_keys = zo_apply.HOST_KEYS
@@ -105,6 +106,7 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
         ("fused_v2", 2, host_keys),
         ("fused_device_keys", 1, 0),
         ("fused_v2_device_keys", 2, 0),
+        ("fused_v3", 3, host_keys),
     ):
         zo_apply.HOST_KEYS = keys_limit  # 0: every key derived by the device's tensor ops (before 2026-11-27)
         try:
@@ -118,6 +120,7 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
         # HBM traffic: one read and one write of θ
         row[f"{name}_fraction_of_copy_bandwidth"] = round(2 * rates[name] / copy_gb_per_s, 3)
     row["fused_v2_over_v1"] = round(rates["fused_v2"] / rates["fused"], 3)
+    row["fused_v3_over_v2"] = round(rates["fused_v3"] / rates["fused_v2"], 3)
     row["host_keys_over_device_keys"] = round(rates["fused"] / rates["fused_device_keys"], 3)
     row["host_keys_over_device_keys_v2"] = round(rates["fused_v2"] / rates["fused_v2_device_keys"], 3)
     return row

@@ -5,8 +5,9 @@ PYTHONPATH).
 
 Each kernel of kernels/zo_apply.py is compiled with ``triton.compile`` for ``--arch``
 (default sm_90, Hopper), the SASS dumped with the ``cuobjdump`` that Triton ships, and the
-innermost loop (the smallest backward branch: one update for a thread's elements) counted
-by opcode. Divided by the elements a thread holds (block / (32 · warps)), that is the
+innermost loop (the smallest backward branch: one update for a thread's elements; version
+3's, one chunk of 8 updates) counted by opcode. Divided by the element-updates a pass makes
+(block / (32 · warps) elements a thread, times 8 for version 3), that is the
 instruction cost of one element and one update, what bounds the kernels once K updates
 make them integer-bound (docs/performance.md): a static count, not a timing.
 
@@ -36,18 +37,22 @@ SIGNATURE = {
     "num_groups": "i32",
     "BLOCK": "constexpr",
 }
+# Version 3's kernel takes the chunks' tables and the groups' chunk edges in those places.
+SIGNATURE_V3 = {name.replace("coeff", "table").replace("bounds", "chunks"): kind for name, kind in SIGNATURE.items()}
+UPDATES_PER_LOOP = {1: 1, 2: 1, 3: 8}
+"""Updates one pass of the innermost loop applies (version 3's loop is a chunk's 8)."""
 # What a launch on real tensors is specialized with: 16-byte aligned pointers and a
 # size that is a multiple of 16 (256M parameters), as Triton's launcher would see them.
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(6)}
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*?);")
 
 
-def sass(kernel: object, block: int, warps: int, arch: int) -> str:
+def sass(kernel: object, block: int, warps: int, arch: int, signature: dict[str, str] = SIGNATURE) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(fn=kernel, signature=SIGNATURE, constexprs={"BLOCK": block}, attrs=ALIGNED)
+    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": block}, attrs=ALIGNED)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -77,15 +82,16 @@ def main() -> None:
     args = parser.parse_args()
     if zo_apply.triton is None:
         parser.error("needs Triton (see the docstring)")
-    kernels = {1: zo_apply._apply_kernel, 2: zo_apply._apply_v2_kernel}
+    kernels = {1: zo_apply._apply_kernel, 2: zo_apply._apply_v2_kernel, 3: zo_apply._apply_v3_kernel}
     rows = []
     per_element: dict[tuple[int, int], float] = {}
     blocks = [int(b) for b in args.blocks.split(",")]
     for block in blocks:
         for version, kernel in kernels.items():
             warps = zo_apply.num_warps_for(block, version)
-            counts = innermost_loop(sass(kernel, block, warps, args.arch))
-            elements = max(1, block // (32 * warps))
+            signature = SIGNATURE_V3 if version == 3 else SIGNATURE
+            counts = innermost_loop(sass(kernel, block, warps, args.arch, signature))
+            elements = max(1, block // (32 * warps)) * UPDATES_PER_LOOP[version]
             total = sum(counts.values())
             per_element[(block, version)] = total / elements
             rows.append(
@@ -93,13 +99,14 @@ def main() -> None:
                     "version": version,
                     "block": block,
                     "num_warps": warps,
-                    "elements_per_thread": elements,
+                    "element_updates_per_loop": elements,
                     "loop_instructions": total,
                     "per_element_update": round(total / elements, 2),
                     "opcodes": dict(counts.most_common()),
                 }
             )
     ratios = {f"v1_over_v2_block_{b}": round(per_element[(b, 1)] / per_element[(b, 2)], 2) for b in blocks}
+    ratios |= {f"v2_over_v3_block_{b}": round(per_element[(b, 2)] / per_element[(b, 3)], 2) for b in blocks}
     print(json.dumps({"bench": "zo_sass", "arch": args.arch, "rows": rows, **ratios}, indent=1))
 
 

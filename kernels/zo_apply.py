@@ -12,6 +12,13 @@ A NaN's bits (sign, payload) are not part of the rule: coefficients are finite (
 lr and g_max are bounded), so a NaN in θ means sums overflowed to ±inf and met, a run gone
 wrong, where NumPy, torch and GPUs each return their own NaN.
 
+Version 3 (version 2's signs) sums each group in *chunks* of 8 updates (``CHUNK_UPDATES``):
+per element, each chunk's part starts at +0.0 and adds its ±c_k in order, and acc starts at
++0.0 and adds the chunks' parts in order. A chunk's part depends only on its 8 signs, so a
+GPU looks it up in the chunk's table of 256 sums (``chunk_tables``) instead of adding 8
+times; a group of at most 8 updates (a ZO step's) gets version 2's bits, since +0.0 + part
+is part (a part that starts at +0.0 is never −0.0).
+
 That is one *group* (one round of the log: the worker sums a round's updates together).
 A call may carry many groups (``ends``: where each ends): per element, each group's acc in
 turn, θ ← θ − acc after each, so the bits are those of one call per group, while θ is read
@@ -65,6 +72,10 @@ them, but K = 1 may lose some of its bandwidth). Measured on an H200 (2026-11-27
 call timed): version 1 / version 2 at K = 1 0.986 / 0.470, K = 8 0.275 / 0.462, K = 64
 0.036 / 0.212 of copy bandwidth, with a small call's keys derived on the host
 (``HOST_KEYS``); with the device's key ops K = 1 was 0.353 / 0.333 in the same run.
+Version 3's kernel (1.69 instructions per element and update, counted the same way) gave
+the reference's bits on an H100 (tests/test_zo_apply.py, 2026-11-28) and ran K = 64 at
+0.379 of copy bandwidth against version 2's 0.300 there, K = 1 and 8 as version 2 (0.57):
+its table lookups are gathers over a table's 8 cache lines (docs/zo.md).
 """
 
 import itertools
@@ -77,6 +88,8 @@ import torch
 from kernels import rng
 
 CHUNK = 1 << 20
+CHUNK_UPDATES = 8
+"""Version 3: the updates a chunk of a group sums on its own (a byte of signs per element)."""
 # The CPU path's chunk: its ~20 passes an update stay in the L2 cache.
 CPU_CHUNK = 1 << 16
 
@@ -119,7 +132,15 @@ def _negative_v2(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> tor
     return rng.words_to_sign_bits(words, 0, index.numel()).bool()
 
 
-_NEGATIVE = {1: _negative, 2: _negative_v2}
+_NEGATIVE = {1: _negative, 2: _negative_v2, 3: _negative_v2}
+
+
+def spans(begin: int, end: int, version: int) -> list[tuple[int, int]]:
+    """The updates [begin, end) of one group as the runs summed on their own: the whole
+    group (versions 1 and 2) or chunks of ``CHUNK_UPDATES`` (version 3)."""
+    if version != 3:
+        return [(begin, end)]
+    return [(first, min(first + CHUNK_UPDATES, end)) for first in range(begin, end, CHUNK_UPDATES)]
 
 
 def bounds(ends: Sequence[int] | None, count: int) -> list[int]:
@@ -161,9 +182,13 @@ def apply_reference(
             segment = flat[start : start + count]
             for begin, end in itertools.pairwise(edges):
                 acc = torch.zeros(count, dtype=torch.float32, device=param.device)
-                for ka, kb, c in zip(kas[begin:end], kbs[begin:end], values[begin:end], strict=True):
-                    negative = negative_fn(index, torch.tensor(ka), torch.tensor(kb))
-                    acc += torch.where(negative, -c, c)
+                for first, last in spans(begin, end, version):
+                    part = acc if version != 3 else torch.zeros_like(acc)
+                    for ka, kb, c in zip(kas[first:last], kbs[first:last], values[first:last], strict=True):
+                        negative = negative_fn(index, torch.tensor(ka), torch.tensor(kb))
+                        part += torch.where(negative, -c, c)
+                    if part is not acc:
+                        acc += part
                 segment -= acc
 
 
@@ -219,22 +244,55 @@ def _apply_cpu_one(
         h, spare = np.empty_like(index), np.empty_like(index)
         sign = np.empty(count, dtype=np.uint32)
         acc = np.empty(count, dtype=np.float32)
+        chunk_part = np.empty(count, dtype=np.float32) if version == 3 else acc
         segment = flat[start : start + count]
         for begin, end in itertools.pairwise(edges):
             acc.fill(0.0)
-            for k in range(begin, end):
-                np.bitwise_xor(index, kas[k], out=h)
-                rng.mix_inplace(h, spare)
-                h += kbs[k]
-                rng.mix_inplace(h, spare)
-                if version == 1:
-                    np.bitwise_and(h, _SIGN, out=sign)
-                else:
-                    bits = np.unpackbits(h.astype("<u4", copy=False).view(np.uint8), bitorder="little")
-                    np.left_shift(bits[:count], 31, out=sign, dtype=np.uint32)
-                sign ^= sign_bits[k]
-                acc += sign.view(np.float32)
+            for first, last in spans(begin, end, version):
+                chunk_part.fill(0.0)  # acc itself for versions 1 and 2 (one span)
+                for k in range(first, last):
+                    np.bitwise_xor(index, kas[k], out=h)
+                    rng.mix_inplace(h, spare)
+                    h += kbs[k]
+                    rng.mix_inplace(h, spare)
+                    if version == 1:
+                        np.bitwise_and(h, _SIGN, out=sign)
+                    else:
+                        bits = np.unpackbits(h.astype("<u4", copy=False).view(np.uint8), bitorder="little")
+                        np.left_shift(bits[:count], 31, out=sign, dtype=np.uint32)
+                    sign ^= sign_bits[k]
+                    chunk_part += sign.view(np.float32)
+                if chunk_part is not acc:
+                    acc += chunk_part
             segment -= acc
+
+
+_BYTE_BITS = ((np.arange(256)[:, None] >> np.arange(CHUNK_UPDATES)[None, :]) & 1).astype(bool)
+
+
+def chunk_tables(coeffs: np.ndarray, edges: Sequence[int]) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Version 3's chunks for a GPU: (tables, chunk_edges, slots). ``tables[c, b]`` is
+    chunk c's part for the signs in byte b (bit j set: update j of the chunk is −c_j), summed
+    as the definition does (+0.0, then ±c_j in order, float32); group g's chunks are
+    ``chunk_edges[g]`` to ``chunk_edges[g + 1]``; ``slots[c, j]`` is the update whose key
+    chunk c's j-th hash takes. A short chunk's spare slots repeat its first update with
+    c = +0.0, which no sum sees (x + ±0.0 = x for every part, none of them −0.0)."""
+    runs = []
+    chunk_edges = [0]
+    for begin, end in itertools.pairwise(edges):
+        runs.extend(spans(begin, end, 3))
+        chunk_edges.append(len(runs))
+    values = np.zeros((len(runs), CHUNK_UPDATES), dtype=np.float32)
+    slots = np.empty((len(runs), CHUNK_UPDATES), dtype=np.int64)
+    for c, (first, last) in enumerate(runs):
+        values[c, : last - first] = coeffs[first:last]
+        slots[c] = first
+        slots[c, : last - first] = np.arange(first, last)
+    tables = np.zeros((len(runs), 256), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # ±inf and NaN follow IEEE, as the sums do
+        for j in range(CHUNK_UPDATES):
+            tables += np.where(_BYTE_BITS[None, :, j], -values[:, j, None], values[:, j, None])
+    return tables, chunk_edges, slots
 
 
 KEYS_AT_ONCE = 1 << 20
@@ -260,7 +318,12 @@ step's (K = 1 to 64, gpt-125m's 148 parameters) in ~0.1 ms of NumPy, where the d
 0.38 of copy bandwidth on an H200 with them, 2026-11-27). A replay's thousands of
 updates a call keep the device's derivation (NumPy's would take milliseconds there)."""
 
-DEFAULT_BLOCK = {1: 1024, 2: 4096}
+MAX_V3_UPDATES = 1 << 20
+"""Version 3's kernel indexes its tables in int32: at most 2**20 updates a call (a replay's
+calls hold 4096), so at most 2**20 chunks (groups of one update each) of 256 entries, under
+2**31."""
+
+DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096}
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
 bandwidth at K = 1 with 1024 (0.86 with 4096). Version 2: 4096 with 4 warps (one word
@@ -272,7 +335,7 @@ def num_warps_for(block: int, version: int = 1) -> int:
     thread there). Version 2: one per 1024 elements (1 to 8), so that a thread holds one
     whole word of 32 elements (its kernel makes a word's hash in each thread holding part
     of it)."""
-    if version == 2:
+    if version != 1:
         return min(8, max(1, block // 1024))
     return min(8, max(4, block // 512))
 
@@ -378,6 +441,115 @@ if triton is not None:
         tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
         tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
 
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _cross(a, b, d: tl.constexpr, m: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Two words of 8 swap bits: a's bits at the positions m << d for b's at m (a delta
+        swap: one step of the transpose that turns 8 updates' words into bytes of signs)."""
+        x = ((a >> d) ^ b) & m
+        return a ^ (x << d), b ^ x
+
+    @triton.jit
+    def _word(index, ka_ptr, kb_ptr, k):  # type: ignore[no-untyped-def]
+        """Update k's signs for the words ``index``: bits(s, p, w) of kernels/rng.py."""
+        ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
+        kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
+        return _mix(_mix(index ^ ka) + kb)
+
+    @triton.jit
+    def _part(table, word, shift):  # type: ignore[no-untyped-def]
+        """A [4, words] tile's chunk parts: byte ``shift`` / 8 of each word, looked up."""
+        return tl.load(table + ((word[None, :] >> shift) & 0xFF))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _apply_v3_kernel(theta_ptr, n, ka_ptr, kb_ptr, table_ptr, chunks_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Version 3: θ in version 2's layout (a word of 32 elements in one thread, as eight
+        [4, words] tiles); per chunk of 8 updates, the 8 hash words (update j's word holds
+        bit e for element e) are transposed by five delta swaps so that element 4q + m's 8
+        signs are byte m of word W(q) (bit j: update j), and that byte picks the chunk's
+        part from its table of 256 (``chunk_tables``): one load and one add per element and
+        chunk instead of 8 shifts, and-xors and adds. ``ka``/``kb`` are the chunks' slots
+        (``slots``), 8 a chunk; group g is chunks [chunks[g], chunks[g + 1])."""
+        WORDS: tl.constexpr = BLOCK // 32
+        word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+        quad = tl.arange(0, 4)
+        at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
+        t0 = tl.load(theta_ptr + at, mask=at < n)
+        t1 = tl.load(theta_ptr + at + 4, mask=at + 4 < n)
+        t2 = tl.load(theta_ptr + at + 8, mask=at + 8 < n)
+        t3 = tl.load(theta_ptr + at + 12, mask=at + 12 < n)
+        t4 = tl.load(theta_ptr + at + 16, mask=at + 16 < n)
+        t5 = tl.load(theta_ptr + at + 20, mask=at + 20 < n)
+        t6 = tl.load(theta_ptr + at + 24, mask=at + 24 < n)
+        t7 = tl.load(theta_ptr + at + 28, mask=at + 28 < n)
+        index = word.to(tl.uint32)
+        shift = (8 * quad).to(tl.uint32)[:, None]  # row m of a tile: byte m
+        for g in range(num_groups):
+            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
+            for c in range(tl.load(chunks_ptr + g), tl.load(chunks_ptr + g + 1)):
+                k = c * 8
+                h0 = _word(index, ka_ptr, kb_ptr, k)
+                h1 = _word(index, ka_ptr, kb_ptr, k + 1)
+                h2 = _word(index, ka_ptr, kb_ptr, k + 2)
+                h3 = _word(index, ka_ptr, kb_ptr, k + 3)
+                h4 = _word(index, ka_ptr, kb_ptr, k + 4)
+                h5 = _word(index, ka_ptr, kb_ptr, k + 5)
+                h6 = _word(index, ka_ptr, kb_ptr, k + 6)
+                h7 = _word(index, ka_ptr, kb_ptr, k + 7)
+                # Word index bits (j2 j1 j0), bit index (e4 e3 e2 e1 e0) → word (e2 e4 e3),
+                # bit (e1 e0 j2 j1 j0): five swaps of a word-index bit with a bit-index bit.
+                h0, h4 = _cross(h0, h4, 4, 0x0F0F0F0F)  # j2 ↔ e2
+                h1, h5 = _cross(h1, h5, 4, 0x0F0F0F0F)
+                h2, h6 = _cross(h2, h6, 4, 0x0F0F0F0F)
+                h3, h7 = _cross(h3, h7, 4, 0x0F0F0F0F)
+                h0, h2 = _cross(h0, h2, 2, 0x33333333)  # j1 ↔ e1
+                h1, h3 = _cross(h1, h3, 2, 0x33333333)
+                h4, h6 = _cross(h4, h6, 2, 0x33333333)
+                h5, h7 = _cross(h5, h7, 2, 0x33333333)
+                h0, h2 = _cross(h0, h2, 16, 0x0000FFFF)  # (e1 there now) ↔ e4
+                h1, h3 = _cross(h1, h3, 16, 0x0000FFFF)
+                h4, h6 = _cross(h4, h6, 16, 0x0000FFFF)
+                h5, h7 = _cross(h5, h7, 16, 0x0000FFFF)
+                h0, h1 = _cross(h0, h1, 1, 0x55555555)  # j0 ↔ e0
+                h2, h3 = _cross(h2, h3, 1, 0x55555555)
+                h4, h5 = _cross(h4, h5, 1, 0x55555555)
+                h6, h7 = _cross(h6, h7, 1, 0x55555555)
+                h0, h1 = _cross(h0, h1, 8, 0x00FF00FF)  # (e0 there now) ↔ e3
+                h2, h3 = _cross(h2, h3, 8, 0x00FF00FF)
+                h4, h5 = _cross(h4, h5, 8, 0x00FF00FF)
+                h6, h7 = _cross(h6, h7, 8, 0x00FF00FF)
+                table = table_ptr + c * 256  # int32: apply_triton bounds the tables
+                a0 += _part(table, h0, shift)  # tile q reads word W(q) = 4·q0 + 2·q2 + q1
+                a1 += _part(table, h4, shift)
+                a2 += _part(table, h1, shift)
+                a3 += _part(table, h5, shift)
+                a4 += _part(table, h2, shift)
+                a5 += _part(table, h6, shift)
+                a6 += _part(table, h3, shift)
+                a7 += _part(table, h7, shift)
+            t0 = t0 - a0
+            t1 = t1 - a1
+            t2 = t2 - a2
+            t3 = t3 - a3
+            t4 = t4 - a4
+            t5 = t5 - a5
+            t6 = t6 - a6
+            t7 = t7 - a7
+        tl.store(theta_ptr + at, t0, mask=at < n)
+        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
+        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
+        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
+        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
+        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
+        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
+        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
+
 
 def _aligned(count: int) -> int:
     """``count`` int32s rounded up to 16 bytes (Triton specializes a kernel on pointers'
@@ -415,24 +587,39 @@ def apply_triton(
     if not seeds or not params:
         return
     _require_cuda(params)
-    kernel = _apply_kernel if version == 1 else _apply_v2_kernel
+    kernel = {1: _apply_kernel, 2: _apply_v2_kernel, 3: _apply_v3_kernel}[version]
     warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
+    # What the kernel sums and where its groups end: c and the groups' edges, or (version 3)
+    # the chunks' tables and the groups' chunk edges, with each chunk's 8 key slots.
+    host_values = coeffs.detach().cpu().numpy()
+    host_edges, take = edges, None
+    if version == 3:
+        if len(seeds) > MAX_V3_UPDATES:
+            raise ValueError(f"version 3 takes at most {MAX_V3_UPDATES} updates a call, got {len(seeds)}")
+        tables, host_edges, slots = chunk_tables(host_values, edges)
+        host_values, take = tables.ravel(), slots.ravel()
     # Uploads without a wait (``rng.upload``): the launches queue behind the last call's.
     if len(params) * len(seeds) <= HOST_KEYS:  # the keys, c and the groups' edges in one upload
-        keys = rng.params_keys_host(seeds, 0, len(params)).view(np.int32)
-        at_edges, at_keys = _aligned(len(seeds)), _aligned(len(seeds)) + _aligned(len(edges))  # 16-byte starts
+        keys = rng.params_keys_host(seeds, 0, len(params))
+        keys = (keys if take is None else keys[:, :, take]).view(np.int32)
+        # 16-byte starts
+        at_edges, at_keys = _aligned(host_values.size), _aligned(host_values.size) + _aligned(len(host_edges))
         packed = np.zeros(at_keys + keys.size, dtype=np.int32)
-        packed[: len(seeds)] = coeffs.detach().cpu().numpy().view(np.int32)
-        packed[at_edges : at_edges + len(edges)] = edges
+        packed[: host_values.size] = host_values.view(np.int32)
+        packed[at_edges : at_edges + len(host_edges)] = host_edges
         packed[at_keys:] = keys.ravel()
         uploaded = rng.upload(torch.from_numpy(packed), device)
-        values, starts = uploaded[: len(seeds)].view(torch.float32), uploaded[at_edges : at_edges + len(edges)]
+        values = uploaded[: host_values.size].view(torch.float32)
+        starts = uploaded[at_edges : at_edges + len(host_edges)]
         chunks: Iterable[tuple[int, torch.Tensor]] = [(0, uploaded[at_keys:].view(keys.shape))]
     else:  # derived on the device, many parameters at once
-        halves, values = rng.seed_halves(seeds, device=device), rng.upload(coeffs, device)
-        starts = rng.upload(torch.tensor(edges, dtype=torch.int32), device)
+        halves, values = rng.seed_halves(seeds, device=device), rng.upload(torch.from_numpy(host_values), device)
+        starts = rng.upload(torch.tensor(host_edges, dtype=torch.int32), device)
         chunks = _key_chunks(halves, len(params))
+        if take is not None:
+            slots_on_device = rng.upload(torch.from_numpy(take), device)
+            chunks = ((first, chunk.index_select(2, slots_on_device)) for first, chunk in chunks)
     for first, chunk in chunks:
         for j, keys in enumerate(chunk):
             param = params[first + j]

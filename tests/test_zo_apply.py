@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +38,7 @@ def test_the_update_is_theta_minus_the_sum_of_lr_g_z(version: int) -> None:
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(("version", "chunk"), [(1, 7), (2, 7), (2, 64)])
+@pytest.mark.parametrize(("version", "chunk"), [(1, 7), (2, 7), (2, 64), (3, 7)])
 def test_chunking_does_not_change_a_bit(monkeypatch: pytest.MonkeyPatch, version: int, chunk: int) -> None:
     whole, chunked = params(), params()
     coeffs = zo_apply.coefficients(0.1, GS)
@@ -54,7 +55,74 @@ def test_the_generators_differ_and_an_unknown_one_is_refused() -> None:
     zo_apply.apply(two, SEEDS, coeffs, version=2)
     assert not torch.equal(one[1], two[1])
     with pytest.raises(ValueError, match="generator version"):
-        zo_apply.apply(params(), SEEDS, coeffs, version=3)
+        zo_apply.apply(params(), SEEDS, coeffs, version=4)
+
+
+def _by_the_definition(
+    theta: torch.Tensor, p: int, seeds: list[int], coeffs: torch.Tensor, ends: list[int]
+) -> torch.Tensor:
+    """Version 3 element by element, in NumPy float32 scalars, signs from the pure-Python
+    generator: per group, chunks of 8 updates each summed from +0.0, the parts summed from
+    +0.0, θ − acc."""
+    out = theta.numpy().copy()
+    c = coeffs.numpy()
+    for e in range(out.size):
+        for begin, end in itertools.pairwise([0, *ends]):
+            acc = np.float32(0.0)
+            for first in range(begin, end, 8):
+                part = np.float32(0.0)
+                for k in range(first, min(first + 8, end)):
+                    part = np.float32(part + (-c[k] if rng.sign_bit_int(seeds[k], p, e, 2) else c[k]))
+                acc = np.float32(acc + part)
+            out[e] = np.float32(out[e] - acc)
+    return torch.from_numpy(out)
+
+
+def test_version_3_sums_each_group_in_chunks_of_8() -> None:
+    """Version 3, bit for bit, against its definition written out, with groups of 9 and 12
+    updates whose chunks' parts round otherwise than one running sum does: a first update
+    of 1.0 and then eight of 2**-25 (less than half an ulp of 1.0 each, but 2**-22 together
+    where all eight signs agree)."""
+    gen = torch.Generator().manual_seed(3)
+    seeds = [int(s) for s in torch.randint(0, 2**62, (21,), generator=gen)]
+    coeffs = torch.tensor([1.0, *([2.0**-25] * 8), *(torch.randn(12, generator=gen) * 1e-3).tolist()])
+    ends = [9, 21]
+    theta = torch.randn(2000, generator=gen)
+    three, two = [theta.clone()], [theta.clone()]
+    zo_apply.apply_reference(three, seeds, coeffs, version=3, ends=ends)
+    zo_apply.apply_reference(two, seeds, coeffs, version=2, ends=ends)
+    assert same_bits(three[0], _by_the_definition(theta, 0, seeds, coeffs, ends))
+    assert not same_bits(three[0], two[0])  # the chunks are part of the rule
+
+
+def test_version_3_is_version_2_for_groups_of_up_to_8_updates() -> None:
+    """A ZO step's round of a few updates: the same bits under both (+0.0 + part is part)."""
+    gen = torch.Generator().manual_seed(8)
+    sizes = [8, 1, 0, 5, 3]
+    seeds = [int(s) for s in torch.randint(0, 2**62, (sum(sizes),), generator=gen)]
+    coeffs = torch.tensor((SPECIAL_COEFFS + (torch.randn(17, generator=gen) * 1e-3).tolist())[: sum(sizes)])
+    ends = list(itertools.accumulate(sizes))
+    two, three = params(), params()
+    zo_apply.apply_reference(two, seeds, coeffs, version=2, ends=ends)
+    zo_apply.apply_cpu(three, seeds, coeffs, version=3, ends=ends)
+    assert all(same_bits(a, b) for a, b in zip(two, three, strict=True))
+
+
+def test_a_chunks_table_holds_its_parts_and_ignores_its_spare_slots() -> None:
+    """``chunk_tables``: entry b of a chunk is its part for the signs in b, bit j for update
+    j, summed as the definition sums; a short chunk's spare slots point at a real update and
+    change no entry; the groups' chunk edges."""
+    coeffs = np.array(SPECIAL_COEFFS[:11], dtype=np.float32)  # ±0, subnormals, ±3e38 (sums to ±inf)
+    tables, chunk_edges, slots = zo_apply.chunk_tables(coeffs, [0, 3, 3, 11])
+    assert chunk_edges == [0, 1, 1, 2] and tables.shape == (2, 256)
+    assert slots.tolist() == [[0, 1, 2, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9, 10]]
+    for c, (first, last) in enumerate([(0, 3), (3, 11)]):
+        for b in range(256):
+            part = np.float32(0.0)
+            with np.errstate(over="ignore"):
+                for j in range(last - first):
+                    part = np.float32(part + (-coeffs[first + j] if b >> j & 1 else coeffs[first + j]))
+            assert tables[c, b].view(np.int32) == part.view(np.int32), (c, b)
 
 
 def test_order_is_part_of_the_rule() -> None:
@@ -167,7 +235,7 @@ def test_the_numpy_cpu_path_gives_the_reference_bits(monkeypatch: pytest.MonkeyP
     bit for bit: special coefficients and weights, sizes off a word and a chunk, groups."""
     monkeypatch.setattr(zo_apply, "CPU_CHUNK", chunk)
     gen = torch.Generator().manual_seed(chunk + version)
-    for sizes in ([1], [3], [12], [2, 0, 5, 1], [0]):
+    for sizes in ([1], [3], [12], [2, 0, 5, 1], [0], [17, 8]):
         coeffs = torch.tensor((SPECIAL_COEFFS + (torch.randn(16, generator=gen) * 1e-3).tolist())[: sum(sizes)])
         seeds = [int(s) for s in torch.randint(0, 2**62, (sum(sizes),), generator=gen)]
         seeds[:1] = [2**64 - 1] * len(seeds[:1])  # the largest seed, where there is one
@@ -192,7 +260,7 @@ def test_apply_takes_the_numpy_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     zo_apply.apply(theta, SEEDS, coeffs)
     assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
     with pytest.raises(ValueError, match="generator version"):
-        zo_apply.apply_cpu(theta, SEEDS, coeffs, version=3)
+        zo_apply.apply_cpu(theta, SEEDS, coeffs, version=4)
 
 
 def test_no_updates_leave_even_a_signalling_nan_as_it_is() -> None:
