@@ -16,8 +16,9 @@ Version 3 (version 2's signs) sums each group in *chunks* of 8 updates (``CHUNK_
 per element, each chunk's part starts at +0.0 and adds its ±c_k in order, and acc starts at
 +0.0 and adds the chunks' parts in order. A chunk's part depends only on its 8 signs, so a
 GPU looks it up in the chunk's table of 256 sums (``chunk_tables``) instead of adding 8
-times; a group of at most 8 updates (a ZO step's) gets version 2's bits, since +0.0 + part
-is part (a part that starts at +0.0 is never −0.0).
+times; a group of at most 8 updates (a ZO step's perturbation, a round of few updates)
+gets version 2's bits, since +0.0 + part is part (a part that starts at +0.0 is never
+−0.0). Rounds of many updates (nodes × H) are where it differs, and where it pays.
 
 That is one *group* (one round of the log: the worker sums a round's updates together).
 A call may carry many groups (``ends``: where each ends): per element, each group's acc in
@@ -90,6 +91,11 @@ from kernels import rng
 CHUNK = 1 << 20
 CHUNK_UPDATES = 8
 """Version 3: the updates a chunk of a group sums on its own (a byte of signs per element)."""
+MAX_V3_UPDATES = 1 << 22
+"""Version 3's kernel indexes its tables in int32: at most 2**22 updates a call, so at most
+2**22 chunks (groups of one update each) of 256 entries, under 2**31. The worker's largest
+call is a pending batch just under ``REPLAY_BATCH_UPDATES`` plus one round of
+``MAX_UPDATES_PER_ROUND`` (training/algorithms/zo.py; tests/test_zo_apply.py checks it fits)."""
 # The CPU path's chunk: its ~20 passes an update stay in the L2 cache.
 CPU_CHUNK = 1 << 16
 
@@ -111,6 +117,8 @@ def _check(
     """Every implementation's inputs checked alike; the groups' edges (``bounds``)."""
     if version not in rng.VERSIONS:
         raise ValueError(f"unknown generator version {version} (known: {rng.VERSIONS})")
+    if version == 3 and len(seeds) > MAX_V3_UPDATES:  # every implementation refuses alike
+        raise ValueError(f"version 3 takes at most {MAX_V3_UPDATES} updates a call, got {len(seeds)}")
     if coeffs.dtype != torch.float32 or coeffs.shape != (len(seeds),):
         raise ValueError(f"need {len(seeds)} float32 coefficients, got {coeffs.dtype} × {tuple(coeffs.shape)}")
     for p, param in enumerate(params):
@@ -168,6 +176,8 @@ def apply_reference(
     edges = _check(params, seeds, coeffs, version, ends)
     if not seeds:
         return  # θ − 0 would quiet a signalling NaN: every implementation leaves θ as it is
+    if any(param.device.type == "cpu" for param in params):
+        _check_host_floats()
     values = coeffs.tolist()
     negative_fn = _NEGATIVE[version]
     # Version 2's chunks start at a word (its 32 signs come from one hash).
@@ -218,6 +228,7 @@ def apply_cpu(
             raise ValueError(f"parameter {p} is on {param.device}; the NumPy path takes CPU tensors")
     if not seeds:
         return
+    _check_host_floats()
     sign_bits = coeffs.detach().cpu().numpy().view(np.uint32)
     halves = rng.seed_halves(seeds)
     words_per = 1 if version == 1 else rng.SIGNS_PER_WORD
@@ -267,32 +278,49 @@ def _apply_cpu_one(
             segment -= acc
 
 
-_BYTE_BITS = ((np.arange(256)[:, None] >> np.arange(CHUNK_UPDATES)[None, :]) & 1).astype(bool)
-
-
 def chunk_tables(coeffs: np.ndarray, edges: Sequence[int]) -> tuple[np.ndarray, list[int], np.ndarray]:
     """Version 3's chunks for a GPU: (tables, chunk_edges, slots). ``tables[c, b]`` is
     chunk c's part for the signs in byte b (bit j set: update j of the chunk is −c_j), summed
     as the definition does (+0.0, then ±c_j in order, float32); group g's chunks are
     ``chunk_edges[g]`` to ``chunk_edges[g + 1]``; ``slots[c, j]`` is the update whose key
     chunk c's j-th hash takes. A short chunk's spare slots repeat its first update with
-    c = +0.0, which no sum sees (x + ±0.0 = x for every part, none of them −0.0)."""
-    runs = []
-    chunk_edges = [0]
-    for begin, end in itertools.pairwise(edges):
-        runs.extend(spans(begin, end, 3))
-        chunk_edges.append(len(runs))
-    values = np.zeros((len(runs), CHUNK_UPDATES), dtype=np.float32)
-    slots = np.empty((len(runs), CHUNK_UPDATES), dtype=np.int64)
-    for c, (first, last) in enumerate(runs):
-        values[c, : last - first] = coeffs[first:last]
-        slots[c] = first
-        slots[c, : last - first] = np.arange(first, last)
-    tables = np.zeros((len(runs), 256), dtype=np.float32)
+    c = +0.0, which no sum sees (x + ±0.0 = x for every part, none of them −0.0). The host's
+    float32 sums must be IEEE's, as the CPU path's always were (``_check_host_floats``).
+    Costs 510 adds and 1 KiB a chunk (4 MiB of tables for 4096 rounds of one update:
+    version 3 is for rounds of many updates)."""
+    edges_array = np.asarray(bounds(edges[1:], len(coeffs)), dtype=np.int64)
+    per_group = -(-np.diff(edges_array) // CHUNK_UPDATES)
+    chunk_edges = np.concatenate([[0], np.cumsum(per_group)])
+    group = np.repeat(np.arange(per_group.size), per_group)
+    first = edges_array[group] + CHUNK_UPDATES * (np.arange(group.size) - chunk_edges[group])
+    last = np.minimum(first + CHUNK_UPDATES, edges_array[group + 1])
+    slots = first[:, None] + np.arange(CHUNK_UPDATES)[None, :]
+    real = slots < last[:, None]
+    slots = np.where(real, slots, first[:, None])
+    values = np.where(real, np.asarray(coeffs, dtype=np.float32)[slots], np.float32(0.0))
+    _check_host_floats()
+    # Doubling: the sums over updates 0 .. j for bytes below 2**(j + 1) are those over
+    # 0 .. j − 1 (bytes below 2**j) plus c_j (bit j clear) or minus it (bit j set), in the
+    # definition's order: 510 adds a chunk, not 8 × 256.
+    tables = np.zeros((group.size, 256), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # ±inf and NaN follow IEEE, as the sums do
         for j in range(CHUNK_UPDATES):
-            tables += np.where(_BYTE_BITS[None, :, j], -values[:, j, None], values[:, j, None])
-    return tables, chunk_edges, slots
+            width, c = 1 << j, values[:, j, None]
+            np.subtract(tables[:, :width], c, out=tables[:, width : 2 * width])
+            tables[:, :width] += c
+    return tables, chunk_edges.tolist(), slots
+
+
+_SMALLEST = np.array([2.0**-149], dtype=np.float32)
+_SMALLEST_TORCH = torch.tensor([2.0**-149], dtype=torch.float32)
+
+
+def _check_host_floats() -> None:
+    """Refuse to sum where the host flushes subnormals to zero (a library built with fast
+    math can set that for the whole process): peers would part ways silently, since a
+    subnormal c or sum is as much part of the rule as any other."""
+    if (_SMALLEST + _SMALLEST)[0] == 0 or (_SMALLEST_TORCH + _SMALLEST_TORCH).item() == 0:
+        raise RuntimeError("this process flushes float32 subnormals to zero: ZO sums would differ from peers'")
 
 
 KEYS_AT_ONCE = 1 << 20
@@ -318,12 +346,8 @@ step's (K = 1 to 64, gpt-125m's 148 parameters) in ~0.1 ms of NumPy, where the d
 0.38 of copy bandwidth on an H200 with them, 2026-11-27). A replay's thousands of
 updates a call keep the device's derivation (NumPy's would take milliseconds there)."""
 
-MAX_V3_UPDATES = 1 << 20
-"""Version 3's kernel indexes its tables in int32: at most 2**20 updates a call (a replay's
-calls hold 4096), so at most 2**20 chunks (groups of one update each) of 256 entries, under
-2**31."""
 
-DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096}
+DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096}  # 3: version 2's layout; 1024 within 1% on an H100
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
 bandwidth at K = 1 with 1024 (0.86 with 4096). Version 2: 4096 with 4 warps (one word
@@ -595,8 +619,6 @@ def apply_triton(
     host_values = coeffs.detach().cpu().numpy()
     host_edges, take = edges, None
     if version == 3:
-        if len(seeds) > MAX_V3_UPDATES:
-            raise ValueError(f"version 3 takes at most {MAX_V3_UPDATES} updates a call, got {len(seeds)}")
         tables, host_edges, slots = chunk_tables(host_values, edges)
         host_values, take = tables.ravel(), slots.ravel()
     # Uploads without a wait (``rng.upload``): the launches queue behind the last call's.

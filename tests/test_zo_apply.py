@@ -79,20 +79,57 @@ def _by_the_definition(
 
 
 def test_version_3_sums_each_group_in_chunks_of_8() -> None:
-    """Version 3, bit for bit, against its definition written out, with groups of 9 and 12
-    updates whose chunks' parts round otherwise than one running sum does: a first update
-    of 1.0 and then eight of 2**-25 (less than half an ulp of 1.0 each, but 2**-22 together
-    where all eight signs agree)."""
+    """Version 3, bit for bit, against its definition written out. The first group's chunks
+    round otherwise than one running sum: 1.0 (and seven updates of 0.0) in chunk 0, eight of
+    2**-25 in chunk 1. Summed one by one after ±1.0, each 2**-25 is at most half an ulp and
+    goes (a tie rounds to 1.0, even); chunk 1's part is their exact sum k·2**-25, and where
+    |k| ≥ 4 (most elements) ±1.0 + part is another float."""
     gen = torch.Generator().manual_seed(3)
-    seeds = [int(s) for s in torch.randint(0, 2**62, (21,), generator=gen)]
-    coeffs = torch.tensor([1.0, *([2.0**-25] * 8), *(torch.randn(12, generator=gen) * 1e-3).tolist()])
-    ends = [9, 21]
+    seeds = [int(s) for s in torch.randint(0, 2**62, (28,), generator=gen)]
+    coeffs = torch.tensor([1.0, *([0.0] * 7), *([2.0**-25] * 8), *(torch.randn(12, generator=gen) * 1e-3).tolist()])
+    ends = [16, 28]
     theta = torch.randn(2000, generator=gen)
     three, two = [theta.clone()], [theta.clone()]
     zo_apply.apply_reference(three, seeds, coeffs, version=3, ends=ends)
     zo_apply.apply_reference(two, seeds, coeffs, version=2, ends=ends)
     assert same_bits(three[0], _by_the_definition(theta, 0, seeds, coeffs, ends))
-    assert not same_bits(three[0], two[0])  # the chunks are part of the rule
+    first_three, first_two = [theta.clone()], [theta.clone()]
+    zo_apply.apply_reference(first_three, seeds[:16], coeffs[:16], version=3)
+    zo_apply.apply_reference(first_two, seeds[:16], coeffs[:16], version=2)
+    differ = (first_three[0].view(torch.int32) != first_two[0].view(torch.int32)).sum().item()
+    assert differ > 500  # |k| ≥ 4 in ~2/3 of the 2000 elements: the chunks are part of the rule
+
+
+def test_version_3_calls_are_bounded_alike_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel indexes its tables in int32, so a call's updates are bounded, and every
+    implementation refuses the same calls (a GPU peer must not refuse what a CPU peer
+    applies); the worker's largest call fits under the bound."""
+    from training.algorithms.zo import MAX_UPDATES_PER_ROUND, REPLAY_BATCH_UPDATES
+
+    assert REPLAY_BATCH_UPDATES + MAX_UPDATES_PER_ROUND <= zo_apply.MAX_V3_UPDATES
+    assert zo_apply.MAX_V3_UPDATES * 256 < 2**31
+    monkeypatch.setattr(zo_apply, "MAX_V3_UPDATES", 4)
+    coeffs = zo_apply.coefficients(1e-3, [1.0] * 5)
+    for apply in (zo_apply.apply_reference, zo_apply.apply_cpu):
+        with pytest.raises(ValueError, match="at most 4 updates"):
+            apply(params(), [1, 2, 3, 4, 5], coeffs, version=3)
+        apply(params(), [1, 2, 3, 4, 5], coeffs, version=2)  # the others have no such bound
+
+
+def test_a_host_that_flushes_subnormals_is_refused() -> None:
+    """Fast-math libraries can make the whole process flush subnormals to zero; its sums
+    would then differ from peers' without a word."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals (nothing to guard against)")
+    try:
+        for apply in (zo_apply.apply_reference, zo_apply.apply_cpu):
+            with pytest.raises(RuntimeError, match="subnormals"):
+                apply(params(), SEEDS, zo_apply.coefficients(1e-3, GS), version=3)
+        with pytest.raises(RuntimeError, match="subnormals"):
+            zo_apply.chunk_tables(np.ones(3, dtype=np.float32), [0, 3])
+    finally:
+        torch.set_flush_denormal(False)
+    zo_apply.apply_cpu(params(), SEEDS, zo_apply.coefficients(1e-3, GS), version=3)
 
 
 def test_version_3_is_version_2_for_groups_of_up_to_8_updates() -> None:
@@ -115,6 +152,8 @@ def test_a_chunks_table_holds_its_parts_and_ignores_its_spare_slots() -> None:
     coeffs = np.array(SPECIAL_COEFFS[:11], dtype=np.float32)  # ±0, subnormals, ±3e38 (sums to ±inf)
     tables, chunk_edges, slots = zo_apply.chunk_tables(coeffs, [0, 3, 3, 11])
     assert chunk_edges == [0, 1, 1, 2] and tables.shape == (2, 256)
+    with pytest.raises(ValueError, match="group ends"):
+        zo_apply.chunk_tables(coeffs, [0, 5, 3, 11])
     assert slots.tolist() == [[0, 1, 2, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9, 10]]
     for c, (first, last) in enumerate([(0, 3), (3, 11)]):
         for b in range(256):

@@ -129,8 +129,10 @@ class ZoConfig:
     copy bandwidth there (a call's fixed costs, not the kernel). 3: version 2's signs, a
     round's updates summed in chunks of 8 (kernels/zo_apply.py), so a GPU looks each chunk's
     sum up in a table: the same bits as 2 for rounds of at most 8 updates; its kernel takes
-    1.69 instructions per element and update against version 2's 4.09 (sm_90 code, counted
-    without a GPU), not yet timed on one."""
+    1.69 instructions per element and update against version 2's 4.09 (sm_90 code) and ran
+    64 updates a pass 1.26× as fast as version 2's on an H100 (0.379 of copy bandwidth
+    against 0.300; 1 and 8 a pass the same). For runs whose rounds hold many updates (nodes ×
+    H): a round of fewer than 8 still makes a chunk's 8 hashes and its table of 256."""
 
     def __post_init__(self) -> None:
         _check(self.signs in (1, 2, 3), f"zo.signs: must be 1, 2 or 3, got {self.signs!r}")

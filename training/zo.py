@@ -136,8 +136,9 @@ def apply_updates(
     params: Sequence[torch.Tensor], groups: Sequence[Sequence[tuple[int, int]]], config: ZoConfig
 ) -> None:
     """Apply round groups of (seed, g code) updates in the given (canonical) order: per
-    group θ ← θ − Σ lr·g·z, one sum a group (``config.lr`` resolved: ``step_size``). Many
-    groups go in one pass over the weights, with the bits of one call per group."""
+    group θ ← θ − Σ lr·g·z, one sum a group, made as ``config.signs`` says (version 3: in
+    chunks of 8; kernels/zo_apply.py) (``config.lr`` resolved: ``step_size``). Many groups
+    go in one pass over the weights, with the bits of one call per group."""
     updates = [update for group in groups for update in group]
     coeffs = coefficients([code for _, code in updates], config)
     if not groups:
