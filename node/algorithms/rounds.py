@@ -47,7 +47,7 @@ class Inbox(Protocol):
 class PayloadRounds:
     """The shared loop; a subclass says what a round exchanges (``exchange``)."""
 
-    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "joined_from", "memory", "expert_load")
+    REPORT_KEYS: ClassVar[tuple[str, ...]] = ("start_round", "rounds_jumped", "joined_from", "memory", "expert_load")
 
     async def punish_refused(self, peer_id: str, what: str, reason: str, *, drifted: object) -> None:
         """A payload the worker refused costs its sender: a NaN or one far past the bounds is
@@ -77,6 +77,9 @@ class PayloadRounds:
         """The round of each point of the loss curve (a skipped round has none)."""
         self._skips: list[tuple[int, int]] = []
         """(round, rounds skipped after it) per skip our worker made (NoLoCo: ``rounds_skipped``)."""
+        self._jumps: list[tuple[int, int]] = []
+        """(round, rounds left out before it) per worker that started past the rounds done
+        (a resync takes a peer's state at the run's round): ``rounds_jumped``."""
         self._own_aside: Path | None = None
         """Our own state, moved aside by a resync: where we start if no peer offers one."""
         self._offered_at: float | None = None
@@ -84,6 +87,15 @@ class PayloadRounds:
         """The time between our last two offers of a state (``resync_wait_s``)."""
         self._aside_reason: str | None = None
         """Why our state goes aside before the next worker starts (a resync), if it does."""
+
+    @property
+    def rounds_jumped(self) -> int:
+        """Rounds no worker of ours trained because the next one started from a state
+        further on (a resync: a peer's state at the run's round). Not skips: those are
+        bounded (``lag.rounds_to_skip``) against peers lying about their rounds, and a resync
+        is a different judgment (our replica drifted). A loss curve has a point for every
+        round from ``start_round`` but these and the skipped ones."""
+        return sum(k for _, k in self._jumps)
 
     @property
     def rounds_skipped(self) -> int:
@@ -142,6 +154,7 @@ class PayloadRounds:
         return {
             **self.traffic(),
             "start_round": self.start_round,
+            "rounds_jumped": self.rounds_jumped,
             "joined_from": self.states.joined_from,
             "memory": self.ctx.metrics.memory,
             "expert_load": self.ctx.metrics.expert_load,
@@ -295,10 +308,13 @@ class PayloadRounds:
         if metrics.first_ready is None:
             metrics.first_ready = trio.current_time()
         # A restarted worker resumes from its checkpoint: rounds after it are done again.
+        # Rounds from where it resumes are done again: their points, skips and jumps go.
+        self._jumps = [(r, k) for r, k in self._jumps if r <= worker.start_round]
         if not metrics.loss_curve:
             self.start_round = worker.start_round  # where this node began (a joiner: its peer's round)
+        elif worker.start_round > metrics.rounds:  # from a state further on than we got (a resync)
+            self._jumps.append((worker.start_round, worker.start_round - metrics.rounds))
         metrics.rounds = worker.start_round
-        # Rounds from where it resumes are done again: their points and skips go.
         kept = sum(1 for r in self._curve_rounds if r < worker.start_round)
         del metrics.loss_curve[kept:], self._curve_rounds[kept:]
         self._skips = [(r, k) for r, k in self._skips if r < worker.start_round]
