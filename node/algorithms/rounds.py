@@ -301,24 +301,36 @@ class PayloadRounds:
             return
         self._late, self._own_aside = True, aside
 
+    def _restart_at(self, start: int) -> None:
+        """A worker starts at round ``start``: the bookkeeping of the rounds before it. A
+        restarted worker resumes from its checkpoint, and rounds from there are done again:
+        their points, and the parts of skips and jumps from there, go. One that starts past
+        the rounds counted done (``metrics.rounds``: a resync's state, a joiner's newer
+        fetch) leaves those rounds out: a jump, and a point of a round whose outer step never
+        came goes with it. Where nothing is left before ``start``, the node begins there
+        (a joiner: its peer's round). Every round from ``start_round`` then has a point, or
+        is skipped or jumped."""
+        metrics = self.ctx.metrics
+        done = metrics.rounds
+        kept = sum(1 for r in self._curve_rounds if r < min(start, done))
+        del metrics.loss_curve[kept:], self._curve_rounds[kept:]
+        # A skip (r, k) left out rounds r + 1 .. r + k; a jump (s, k) rounds s − k .. s − 1.
+        self._skips = [(r, min(k, start - 1 - r)) for r, k in self._skips if r + 1 < start]
+        self._jumps = [(min(s, start), k - max(0, s - start)) for s, k in self._jumps if s - k < start]
+        if not (metrics.loss_curve or self._skips or self._jumps):
+            self.start_round = start
+        elif start > done:
+            self._jumps.append((start, start - done))
+        metrics.rounds = start
+        metrics.outer_s_rounds[:] = [entry for entry in metrics.outer_s_rounds if entry[0] < start]
+
     async def _session(self, worker: WorkerConnection) -> None:
         assert worker.outbox is not None and worker.inbox is not None
         assert worker.outbox.buf is not None and worker.inbox.buf is not None
         metrics = self.ctx.metrics
         if metrics.first_ready is None:
             metrics.first_ready = trio.current_time()
-        # A restarted worker resumes from its checkpoint: rounds after it are done again.
-        # Rounds from where it resumes are done again: their points, skips and jumps go.
-        self._jumps = [(r, k) for r, k in self._jumps if r <= worker.start_round]
-        if not metrics.loss_curve:
-            self.start_round = worker.start_round  # where this node began (a joiner: its peer's round)
-        elif worker.start_round > metrics.rounds:  # from a state further on than we got (a resync)
-            self._jumps.append((worker.start_round, worker.start_round - metrics.rounds))
-        metrics.rounds = worker.start_round
-        kept = sum(1 for r in self._curve_rounds if r < worker.start_round)
-        del metrics.loss_curve[kept:], self._curve_rounds[kept:]
-        self._skips = [(r, k) for r, k in self._skips if r < worker.start_round]
-        metrics.outer_s_rounds[:] = [entry for entry in metrics.outer_s_rounds if entry[0] < worker.start_round]
+        self._restart_at(worker.start_round)
         if worker.start_round >= self.ctx.run.rounds:
             return
         self.ready(worker)
