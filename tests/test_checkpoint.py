@@ -2,6 +2,7 @@
 continues bit for bit where it stopped."""
 
 import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -30,6 +31,37 @@ def test_tensors_and_meta_round_trip_exactly(tmp_path: Path) -> None:
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
     assert not path.with_name("x.ckpt.tmp").exists()
+
+
+def test_the_hash_made_beside_the_writes_gives_the_bytes_of_hashing_first(tmp_path: Path) -> None:
+    """The digest is made by a thread while the tensors are written and the header written
+    again: the file is byte for byte the one a writer that hashed first would write."""
+    tensors = {f"t{i}": torch.randn(1000 + i) for i in range(5)} | {"n": torch.arange(3)}
+    meta = {"round": 7}
+    raw = checkpoint._checked(tensors)
+    meta_text = json.dumps(meta, sort_keys=True)
+    header = checkpoint._header(tensors, raw, meta_text, checkpoint._digest(raw))
+    expected = len(header).to_bytes(8, "little") + header + b"".join(d.numpy().tobytes() for d in raw.values())
+    assert checkpoint.encode(tensors, meta) == expected
+    checkpoint.save(tmp_path / "c", tensors, meta)
+    assert (tmp_path / "c").read_bytes() == expected
+
+
+def test_a_write_that_fails_waits_for_its_hash() -> None:
+    """A full disk mid-write: the error comes out (write_atomic then removes the temporary
+    file), after the hashing thread has ended."""
+    import threading
+
+    class FullDisk(io.BytesIO):
+        def write(self, data: object) -> int:
+            if self.tell() > 100:
+                raise OSError(28, "No space left on device")
+            return super().write(data)  # type: ignore[arg-type]
+
+    tensors = {f"t{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MB: ~40 ms of hashing
+    with pytest.raises(OSError, match="No space"):
+        checkpoint._write(FullDisk(), tensors, {})
+    assert not [t for t in threading.enumerate() if t.name == "checkpoint-hash"]  # joined, not left running
 
 
 def test_our_writer_is_read_by_safetensors_as_safetensors_own_file_is() -> None:
