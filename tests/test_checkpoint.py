@@ -64,6 +64,29 @@ def test_a_write_that_fails_waits_for_its_hash() -> None:
     assert not [t for t in threading.enumerate() if t.name == "checkpoint-hash"]  # joined, not left running
 
 
+def test_a_hash_that_fails_says_why_and_no_thread_still_gives_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash thread's own error comes out of the write (not an IndexError); where no
+    thread can start (Python 3.12 at interpreter shutdown) the hash is made in line."""
+    import threading
+
+    tensors = {"a": torch.randn(100), "b": torch.arange(4)}
+    expected = checkpoint.encode(tensors, {})
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", no_thread)
+        assert checkpoint.encode(tensors, {}) == expected
+
+    def broken(raw: object) -> str:
+        raise MemoryError("the hash's own failure")
+
+    monkeypatch.setattr(checkpoint, "_digest", broken)
+    with pytest.raises(MemoryError, match="own failure"):
+        checkpoint.encode(tensors, {})
+
+
 def test_our_writer_is_read_by_safetensors_as_safetensors_own_file_is() -> None:
     """The file is written here without copying the state (training/checkpoint.py): what
     safetensors reads back must be what its own writer's file holds, for every dtype we
