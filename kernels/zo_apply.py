@@ -394,6 +394,31 @@ if triton is not None:
         tl.store(theta_ptr + offsets, theta, mask=mask)
 
     @triton.jit
+    def _load_word_tiles(theta_ptr, at, n):  # type: ignore[no-untyped-def]
+        """θ as eight [4, words] tiles (tile q: lanes 4q to 4q + 3 of each word)."""
+        return (
+            tl.load(theta_ptr + at, mask=at < n),
+            tl.load(theta_ptr + at + 4, mask=at + 4 < n),
+            tl.load(theta_ptr + at + 8, mask=at + 8 < n),
+            tl.load(theta_ptr + at + 12, mask=at + 12 < n),
+            tl.load(theta_ptr + at + 16, mask=at + 16 < n),
+            tl.load(theta_ptr + at + 20, mask=at + 20 < n),
+            tl.load(theta_ptr + at + 24, mask=at + 24 < n),
+            tl.load(theta_ptr + at + 28, mask=at + 28 < n),
+        )
+
+    @triton.jit
+    def _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7):  # type: ignore[no-untyped-def]
+        tl.store(theta_ptr + at, t0, mask=at < n)
+        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
+        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
+        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
+        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
+        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
+        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
+        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
+
+    @triton.jit
     def _signed(h, shift, c):  # type: ignore[no-untyped-def]
         """±c as float32: c's sign bit xor'ed with the bit of ``h`` that ``shift`` moves to
         bit 31 (IEEE negation flips that bit and nothing else, so the bits are those of
@@ -416,14 +441,7 @@ if triton is not None:
         word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
         quad = tl.arange(0, 4)
         at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
-        t0 = tl.load(theta_ptr + at, mask=at < n)
-        t1 = tl.load(theta_ptr + at + 4, mask=at + 4 < n)
-        t2 = tl.load(theta_ptr + at + 8, mask=at + 8 < n)
-        t3 = tl.load(theta_ptr + at + 12, mask=at + 12 < n)
-        t4 = tl.load(theta_ptr + at + 16, mask=at + 16 < n)
-        t5 = tl.load(theta_ptr + at + 20, mask=at + 20 < n)
-        t6 = tl.load(theta_ptr + at + 24, mask=at + 24 < n)
-        t7 = tl.load(theta_ptr + at + 28, mask=at + 28 < n)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, at, n)
         index = word.to(tl.uint32)
         shift = (31 - quad).to(tl.uint32)[:, None]  # bit j of the word up to bit 31: 31 − j
         for g in range(num_groups):
@@ -456,14 +474,7 @@ if triton is not None:
             t5 = t5 - a5
             t6 = t6 - a6
             t7 = t7 - a7
-        tl.store(theta_ptr + at, t0, mask=at < n)
-        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
-        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
-        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
-        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
-        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
-        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
-        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
+        _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _cross(a, b, d: tl.constexpr, m: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -497,14 +508,7 @@ if triton is not None:
         word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
         quad = tl.arange(0, 4)
         at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
-        t0 = tl.load(theta_ptr + at, mask=at < n)
-        t1 = tl.load(theta_ptr + at + 4, mask=at + 4 < n)
-        t2 = tl.load(theta_ptr + at + 8, mask=at + 8 < n)
-        t3 = tl.load(theta_ptr + at + 12, mask=at + 12 < n)
-        t4 = tl.load(theta_ptr + at + 16, mask=at + 16 < n)
-        t5 = tl.load(theta_ptr + at + 20, mask=at + 20 < n)
-        t6 = tl.load(theta_ptr + at + 24, mask=at + 24 < n)
-        t7 = tl.load(theta_ptr + at + 28, mask=at + 28 < n)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, at, n)
         index = word.to(tl.uint32)
         shift = (8 * quad).to(tl.uint32)[:, None]  # row m of a tile: byte m
         for g in range(num_groups):
@@ -565,14 +569,7 @@ if triton is not None:
             t5 = t5 - a5
             t6 = t6 - a6
             t7 = t7 - a7
-        tl.store(theta_ptr + at, t0, mask=at < n)
-        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
-        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
-        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
-        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
-        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
-        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
-        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
+        _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7)
 
 
 def _aligned(count: int) -> int:
