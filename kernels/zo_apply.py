@@ -260,7 +260,8 @@ def _apply_cpu_one(
         for begin, end in itertools.pairwise(edges):
             acc.fill(0.0)
             for first, last in spans(begin, end, version):
-                chunk_part.fill(0.0)  # acc itself for versions 1 and 2 (one span)
+                if chunk_part is not acc:  # versions 1 and 2 add into acc itself (one span)
+                    chunk_part.fill(0.0)
                 for k in range(first, last):
                     np.bitwise_xor(index, kas[k], out=h)
                     rng.mix_inplace(h, spare)
