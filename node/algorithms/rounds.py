@@ -79,7 +79,7 @@ class PayloadRounds:
         """(round, rounds skipped after it) per skip our worker made (NoLoCo: ``rounds_skipped``)."""
         self._jumps: list[tuple[int, int]] = []
         """(round, rounds left out before it) per worker that started past the rounds done
-        (a resync takes a peer's state at the run's round): ``rounds_jumped``."""
+        (``rounds_jumped``)."""
         self._own_aside: Path | None = None
         """Our own state, moved aside by a resync: where we start if no peer offers one."""
         self._offered_at: float | None = None
@@ -91,10 +91,11 @@ class PayloadRounds:
     @property
     def rounds_jumped(self) -> int:
         """Rounds no worker of ours trained because the next one started from a state
-        further on (a resync: a peer's state at the run's round). Not skips: those are
-        bounded (``lag.rounds_to_skip``) against peers lying about their rounds, and a resync
-        is a different judgment (our replica drifted). A loss curve has a point for every
-        round from ``start_round`` but these and the skipped ones."""
+        further on (a resync: a peer's state at the run's round; a joiner's worker restarted
+        before its first checkpoint, which fetches a newer state). Not skips: those are
+        bounded (``lag.rounds_to_skip``) against peers lying about their rounds, and a
+        restart is a different matter. A loss curve has a point for every round from
+        ``start_round`` but these and the skipped ones (``_restart_at``)."""
         return sum(k for _, k in self._jumps)
 
     @property
