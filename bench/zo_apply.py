@@ -11,14 +11,16 @@ For K = 1, 8, 64 updates on a flat float32 parameter buffer, prints GB/s of para
   these are best of ``--repeats`` wall-clock runs; on a GPU only for K ≤ ``--reference-max-k``
   (at 256M parameters and K = 64 they took most of a minute) and not at all with
   ``--fused-only``;
-- on a GPU, one row per ``--blocks`` size, ``fused`` and ``fused_v2``: the Triton kernels
-  of generator versions 1 and 2 (median of triton.testing.do_bench, which warms up and
+- on a GPU, one row per ``--blocks`` size, ``fused`` and ``fused_v2`` to ``fused_v4``: the
+  Triton kernels of generator versions 1 to 4 (median of triton.testing.do_bench, which warms up and
   flushes L2 between runs), and their HBM traffic (read + write of θ) as a fraction of a
   device-to-device copy of the same buffer into a preallocated one, timed the same way
   (the card's practical bandwidth); the issue's target is ≥ 60% of HBM bandwidth;
   ``fused_device_keys`` and ``fused_v2_device_keys`` the same calls with every key derived
   by the device's tensor ops (``zo_apply.HOST_KEYS`` = 0: a replay's large calls, and every
-  call before 2026-11-27), and ``host_keys_over_device_keys`` the ratio.
+  call before 2026-11-27), and ``host_keys_over_device_keys`` the ratio;
+  ``fused_v2_strided`` and ``fused_v4_strided`` with the word tiles loaded one by one
+  (``zo_apply.COALESCED_TILES`` = False, before 2026-11-28), and ``coalesced_over_strided``.
 
     python bench/zo_apply.py [--mparams 16] [--device cpu|cuda] [--repeats 3] [--ks 1,8,64]
         [--blocks 1024,4096] [--fused-only] [--reference-max-k 8]
@@ -98,29 +100,38 @@ def kernel_row(theta: torch.Tensor, k: int, block: int, copy_gb_per_s: float) ->
         "num_warps": zo_apply.num_warps_for(block, 1),
         "num_warps_v2": zo_apply.num_warps_for(block, 2),
         "num_warps_v3": zo_apply.num_warps_for(block, 3),
+        "num_warps_v4": zo_apply.num_warps_for(block, 4),
     }
     rates: dict[str, float] = {}
-    host_keys = zo_apply.HOST_KEYS
-    for name, version, keys_limit in (
-        ("fused", 1, host_keys),
-        ("fused_v2", 2, host_keys),
-        ("fused_device_keys", 1, 0),
-        ("fused_v2_device_keys", 2, 0),
-        ("fused_v3", 3, host_keys),
+    host_keys, coalesced = zo_apply.HOST_KEYS, zo_apply.COALESCED_TILES
+    for name, version, keys_limit, tiles in (
+        ("fused", 1, host_keys, coalesced),
+        ("fused_v2", 2, host_keys, coalesced),
+        ("fused_device_keys", 1, 0, coalesced),
+        ("fused_v2_device_keys", 2, 0, coalesced),
+        ("fused_v3", 3, host_keys, coalesced),
+        ("fused_v4", 4, host_keys, coalesced),
+        ("fused_v2_strided", 2, host_keys, False),
+        ("fused_v4_strided", 4, host_keys, False),
     ):
         zo_apply.HOST_KEYS = keys_limit  # 0: every key derived by the device's tensor ops (before 2026-11-27)
+        zo_apply.COALESCED_TILES = tiles  # False: the word tiles loaded one by one (before 2026-11-28)
         try:
             seconds = timed_on_gpu(
                 lambda v=version: zo_apply.apply_triton([theta], seeds, coeffs, version=v, block=block)
             )
         finally:
-            zo_apply.HOST_KEYS = host_keys
+            zo_apply.HOST_KEYS, zo_apply.COALESCED_TILES = host_keys, coalesced
         rates[name] = nbytes / seconds / 1e9
         row[f"{name}_gb_per_s"] = round(rates[name], 3)
         # HBM traffic: one read and one write of θ
         row[f"{name}_fraction_of_copy_bandwidth"] = round(2 * rates[name] / copy_gb_per_s, 3)
     row["fused_v2_over_v1"] = round(rates["fused_v2"] / rates["fused"], 3)
     row["fused_v3_over_v2"] = round(rates["fused_v3"] / rates["fused_v2"], 3)
+    row["fused_v4_over_v2"] = round(rates["fused_v4"] / rates["fused_v2"], 3)
+    row["fused_v4_over_v3"] = round(rates["fused_v4"] / rates["fused_v3"], 3)
+    row["coalesced_over_strided_v2"] = round(rates["fused_v2"] / rates["fused_v2_strided"], 3)
+    row["coalesced_over_strided_v4"] = round(rates["fused_v4"] / rates["fused_v4_strided"], 3)
     row["host_keys_over_device_keys"] = round(rates["fused"] / rates["fused_device_keys"], 3)
     row["host_keys_over_device_keys_v2"] = round(rates["fused_v2"] / rates["fused_v2_device_keys"], 3)
     return row

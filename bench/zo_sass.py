@@ -39,20 +39,30 @@ SIGNATURE = {
 }
 # Version 3's kernel takes the chunks' tables and the groups' chunk edges in those places.
 SIGNATURE_V3 = {name.replace("coeff", "table").replace("bounds", "chunks"): kind for name, kind in SIGNATURE.items()}
-UPDATES_PER_LOOP = {1: 1, 2: 1, 3: 8}
-"""Updates one pass of the innermost loop applies (version 3's loop is a chunk's 8)."""
+UPDATES_PER_LOOP = {1: 1, 2: 1, 3: 8, 4: 4}
+"""Updates one pass of the innermost loop applies (versions 3 and 4: a chunk's 8 or 4)."""
 # What a launch on real tensors is specialized with: 16-byte aligned pointers and a
 # size that is a multiple of 16 (256M parameters), as Triton's launcher would see them.
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(6)}
 INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*?);")
 
 
-def sass(kernel: object, block: int, warps: int, arch: int, signature: dict[str, str] = SIGNATURE) -> str:
+def sass(
+    kernel: object,
+    block: int,
+    warps: int,
+    arch: int,
+    signature: dict[str, str] = SIGNATURE,
+    options: dict[str, bool] | None = None,
+) -> str:
+    """``options``: the kernel's other constexprs (``apply_triton``'s choices)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": block}, attrs=ALIGNED)
+    options = options or {}
+    signature = signature | dict.fromkeys(options, "constexpr")
+    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": block, **options}, attrs=ALIGNED)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -82,15 +92,23 @@ def main() -> None:
     args = parser.parse_args()
     if zo_apply.triton is None:
         parser.error("needs Triton (see the docstring)")
-    kernels = {1: zo_apply._apply_kernel, 2: zo_apply._apply_v2_kernel, 3: zo_apply._apply_v3_kernel}
+    kernels = {
+        1: zo_apply._apply_kernel,
+        2: zo_apply._apply_v2_kernel,
+        3: zo_apply._apply_v3_kernel,
+        4: zo_apply._apply_v4_kernel,
+    }
     rows = []
     per_element: dict[tuple[int, int], float] = {}
     blocks = [int(b) for b in args.blocks.split(",")]
     for block in blocks:
         for version, kernel in kernels.items():
             warps = zo_apply.num_warps_for(block, version)
-            signature = SIGNATURE_V3 if version == 3 else SIGNATURE
-            counts = innermost_loop(sass(kernel, block, warps, args.arch, signature))
+            signature = SIGNATURE_V3 if version in zo_apply.CHUNK_UPDATES else SIGNATURE
+            options = {} if version == 1 else {"COALESCED": zo_apply.COALESCED_TILES}
+            if version == 4:
+                options["SHUFFLE"] = True
+            counts = innermost_loop(sass(kernel, block, warps, args.arch, signature, options))
             elements = max(1, block // (32 * warps)) * UPDATES_PER_LOOP[version]
             total = sum(counts.values())
             per_element[(block, version)] = total / elements
@@ -107,6 +125,7 @@ def main() -> None:
             )
     ratios = {f"v1_over_v2_block_{b}": round(per_element[(b, 1)] / per_element[(b, 2)], 2) for b in blocks}
     ratios |= {f"v2_over_v3_block_{b}": round(per_element[(b, 2)] / per_element[(b, 3)], 2) for b in blocks}
+    ratios |= {f"v2_over_v4_block_{b}": round(per_element[(b, 2)] / per_element[(b, 4)], 2) for b in blocks}
     print(json.dumps({"bench": "zo_sass", "arch": args.arch, "rows": rows, **ratios}, indent=1))
 
 

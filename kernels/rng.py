@@ -26,7 +26,8 @@ with ``bits`` and ``key`` as above (bit 0 is the least significant).
 
 Version 3 has version 2's signs (the same z, the same vectors); it differs only in how an
 apply sums a round's updates: in chunks of 8 (kernels/zo_apply.py), which lets a GPU look
-each chunk's sum up in a table of 256 instead of adding 8 times.
+each chunk's sum up in a table of 256 instead of adding 8 times. Version 4 is version 3 with
+chunks of 4 (tables of 16, which a GPU warp holds in registers).
 
 Implementations: ``mix_int``/``bits_int`` (pure Python, the definition itself), the torch
 reference below (int64 tensors; the 32-bit multiply is split in 16-bit halves so no
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 VERSION = 1
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 SIGNS_PER_WORD = 32
 M32 = 0xFFFFFFFF
 C1 = 0x7FEB352D
@@ -210,7 +211,7 @@ def sign_bits(
     """1 where z(s, p, i) = −1, for i in [offset, offset + count), as int64."""
     if version == 1:
         return bits(seed, param_index, count, offset=offset, device=device) >> 31
-    if version not in VERSIONS:  # 2 and 3: 32 signs a word
+    if version not in VERSIONS:  # 2 to 4: 32 signs a word
         raise ValueError(f"unknown generator version {version} (known: {VERSIONS})")
     if offset < 0 or count < 0 or offset + count > MAX_ELEMENTS:
         raise ValueError(f"element indices must lie in [0, 2**32), got [{offset}, {offset + count})")

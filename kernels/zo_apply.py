@@ -12,13 +12,17 @@ A NaN's bits (sign, payload) are not part of the rule: coefficients are finite (
 lr and g_max are bounded), so a NaN in θ means sums overflowed to ±inf and met, a run gone
 wrong, where NumPy, torch and GPUs each return their own NaN.
 
-Version 3 (version 2's signs) sums each group in *chunks* of 8 updates (``CHUNK_UPDATES``):
+Versions 3 and 4 (version 2's signs) sum each group in *chunks* of 8 or 4 updates
+(``CHUNK_UPDATES``); for version 3:
 per element, each chunk's part starts at +0.0 and adds its ±c_k in order, and acc starts at
 +0.0 and adds the chunks' parts in order. A chunk's part depends only on its 8 signs, so a
 GPU looks it up in the chunk's table of 256 sums (``chunk_tables``) instead of adding 8
 times; a group of at most 8 updates (a ZO step's perturbation, a round of few updates)
 gets version 2's bits, since +0.0 + part is part (a part that starts at +0.0 is never
 −0.0). Rounds of many updates (nodes × H) are where it differs, and where it pays.
+Version 4 is the same with chunks of 4: tables of 16, which a warp holds one entry a lane
+and looks up with a shuffle (no memory access), where version 3's tables of 256 are
+gathered from L1; a group of at most 4 updates gets version 2's bits.
 
 That is one *group* (one round of the log: the worker sums a round's updates together).
 A call may carry many groups (``ends``: where each ends): per element, each group's acc in
@@ -76,11 +80,18 @@ call timed): version 1 / version 2 at K = 1 0.986 / 0.470, K = 8 0.275 / 0.462, 
 Version 3's kernel (1.69 instructions per element and update, counted the same way) gave
 the reference's bits on an H100 (tests/test_zo_apply.py, 2026-11-28) and ran K = 64 at
 0.379 of copy bandwidth against version 2's 0.300 there, K = 1 and 8 as version 2 (0.57):
-its table lookups are gathers over a table's 8 cache lines (docs/zo.md).
+its table lookups are gathers over a table's 8 cache lines (docs/zo.md). Those 0.57 were
+the word tiles' loads and stores, a thread's 16 bytes at a 128-byte stride (each
+instruction touching 32 cache lines); versions 2 to 4 now load and store θ as whole [BLOCK]
+vectors and rearrange it in shared memory (``COALESCED_TILES``). On an H100 (2026-11-28,
+block 1024): K = 1 and 8 at 0.99 for versions 2 to 4; K = 64 version 2 0.277 (0.300
+before), version 3 0.289, version 4 (1.75 instructions an element-update, no gathers)
+**0.511** (0.434 with the old tiles); all bit for bit in the CUDA tests, both tile paths.
 """
 
 import itertools
 import operator
+import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -89,11 +100,12 @@ import torch
 from kernels import rng
 
 CHUNK = 1 << 20
-CHUNK_UPDATES = 8
-"""Version 3: the updates a chunk of a group sums on its own (a byte of signs per element)."""
-MAX_V3_UPDATES = 1 << 22
-"""Version 3's kernel indexes its tables in int32: at most 2**22 updates a call, so at most
-2**22 chunks (groups of one update each) of 256 entries, under 2**31. The worker's largest
+CHUNK_UPDATES = {3: 8, 4: 4}
+"""Versions 3 and 4: the updates a chunk of a group sums on its own (a byte or a nibble of
+signs per element)."""
+MAX_CHUNKED_UPDATES = 1 << 22
+"""Versions 3 and 4's kernels index their tables in int32: at most 2**22 updates a call, so
+at most 2**22 chunks (groups of one update each) of 256 entries, under 2**31. The worker's largest
 call is a pending batch just under ``REPLAY_BATCH_UPDATES`` plus one round of
 ``MAX_UPDATES_PER_ROUND`` (training/algorithms/zo.py; tests/test_zo_apply.py checks it fits)."""
 # The CPU path's chunk: its ~20 passes an update stay in the L2 cache.
@@ -117,8 +129,8 @@ def _check(
     """Every implementation's inputs checked alike; the groups' edges (``bounds``)."""
     if version not in rng.VERSIONS:
         raise ValueError(f"unknown generator version {version} (known: {rng.VERSIONS})")
-    if version == 3 and len(seeds) > MAX_V3_UPDATES:  # every implementation refuses alike
-        raise ValueError(f"version 3 takes at most {MAX_V3_UPDATES} updates a call, got {len(seeds)}")
+    if version in CHUNK_UPDATES and len(seeds) > MAX_CHUNKED_UPDATES:  # every implementation refuses alike
+        raise ValueError(f"version {version} takes at most {MAX_CHUNKED_UPDATES} updates a call, got {len(seeds)}")
     if coeffs.dtype != torch.float32 or coeffs.shape != (len(seeds),):
         raise ValueError(f"need {len(seeds)} float32 coefficients, got {coeffs.dtype} × {tuple(coeffs.shape)}")
     for p, param in enumerate(params):
@@ -140,15 +152,16 @@ def _negative_v2(index: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor) -> tor
     return rng.words_to_sign_bits(words, 0, index.numel()).bool()
 
 
-_NEGATIVE = {1: _negative, 2: _negative_v2, 3: _negative_v2}
+_NEGATIVE = {1: _negative, 2: _negative_v2, 3: _negative_v2, 4: _negative_v2}
 
 
 def spans(begin: int, end: int, version: int) -> list[tuple[int, int]]:
     """The updates [begin, end) of one group as the runs summed on their own: the whole
-    group (versions 1 and 2) or chunks of ``CHUNK_UPDATES`` (version 3)."""
-    if version != 3:
+    group (versions 1 and 2) or chunks of ``CHUNK_UPDATES[version]`` (versions 3 and 4)."""
+    if version not in CHUNK_UPDATES:
         return [(begin, end)]
-    return [(first, min(first + CHUNK_UPDATES, end)) for first in range(begin, end, CHUNK_UPDATES)]
+    size = CHUNK_UPDATES[version]
+    return [(first, min(first + size, end)) for first in range(begin, end, size)]
 
 
 def bounds(ends: Sequence[int] | None, count: int) -> list[int]:
@@ -193,7 +206,7 @@ def apply_reference(
             for begin, end in itertools.pairwise(edges):
                 acc = torch.zeros(count, dtype=torch.float32, device=param.device)
                 for first, last in spans(begin, end, version):
-                    part = acc if version != 3 else torch.zeros_like(acc)
+                    part = acc if version not in CHUNK_UPDATES else torch.zeros_like(acc)
                     for ka, kb, c in zip(kas[first:last], kbs[first:last], values[first:last], strict=True):
                         negative = negative_fn(index, torch.tensor(ka), torch.tensor(kb))
                         part += torch.where(negative, -c, c)
@@ -255,7 +268,7 @@ def _apply_cpu_one(
         h, spare = np.empty_like(index), np.empty_like(index)
         sign = np.empty(count, dtype=np.uint32)
         acc = np.empty(count, dtype=np.float32)
-        chunk_part = np.empty(count, dtype=np.float32) if version == 3 else acc
+        chunk_part = np.empty(count, dtype=np.float32) if version in CHUNK_UPDATES else acc
         segment = flat[start : start + count]
         for begin, end in itertools.pairwise(edges):
             acc.fill(0.0)
@@ -279,33 +292,36 @@ def _apply_cpu_one(
             segment -= acc
 
 
-def chunk_tables(coeffs: np.ndarray, edges: Sequence[int]) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """Version 3's chunks for a GPU: (tables, chunk_edges, slots). ``tables[c, b]`` is
-    chunk c's part for the signs in byte b (bit j set: update j of the chunk is −c_j), summed
+def chunk_tables(
+    coeffs: np.ndarray, edges: Sequence[int], size: int = CHUNK_UPDATES[3]
+) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Chunks of ``size`` updates for a GPU (versions 3 and 4: 8 and 4): (tables,
+    chunk_edges, slots). ``tables[c, b]`` is chunk c's part for the signs in b (2**size
+    entries; bit j set: update j of the chunk is −c_j), summed
     as the definition does (+0.0, then ±c_j in order, float32); group g's chunks are
     ``chunk_edges[g]`` to ``chunk_edges[g + 1]``; ``slots[c, j]`` is the update whose key
     chunk c's j-th hash takes. A short chunk's spare slots repeat its first update with
     c = +0.0, which no sum sees (x + ±0.0 = x for every part, none of them −0.0). The host's
     float32 sums must be IEEE's, as the CPU path's always were (``_check_host_floats``).
-    Costs 510 adds and 1 KiB a chunk (4 MiB of tables for 4096 rounds of one update:
-    version 3 is for rounds of many updates)."""
+    Costs 510 adds and 1 KiB a chunk of 8 (4 MiB of tables for 4096 rounds of one update:
+    version 3 is for rounds of many updates), 30 adds and 64 bytes a chunk of 4."""
     edges_array = np.asarray(bounds(edges[1:], len(coeffs)), dtype=np.int64)
-    per_group = -(-np.diff(edges_array) // CHUNK_UPDATES)
+    per_group = -(-np.diff(edges_array) // size)
     chunk_edges = np.concatenate([[0], np.cumsum(per_group)])
     group = np.repeat(np.arange(per_group.size), per_group)
-    first = edges_array[group] + CHUNK_UPDATES * (np.arange(group.size) - chunk_edges[group])
-    last = np.minimum(first + CHUNK_UPDATES, edges_array[group + 1])
-    slots = first[:, None] + np.arange(CHUNK_UPDATES)[None, :]
+    first = edges_array[group] + size * (np.arange(group.size) - chunk_edges[group])
+    last = np.minimum(first + size, edges_array[group + 1])
+    slots = first[:, None] + np.arange(size)[None, :]
     real = slots < last[:, None]
     slots = np.where(real, slots, first[:, None])
     values = np.where(real, np.asarray(coeffs, dtype=np.float32)[slots], np.float32(0.0))
     _check_host_floats()
     # Doubling: the sums over updates 0 .. j for bytes below 2**(j + 1) are those over
     # 0 .. j − 1 (bytes below 2**j) plus c_j (bit j clear) or minus it (bit j set), in the
-    # definition's order: 510 adds a chunk, not 8 × 256.
-    tables = np.zeros((group.size, 256), dtype=np.float32)
+    # definition's order: 510 adds a chunk of 8, not 8 × 256.
+    tables = np.zeros((group.size, 1 << size), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # ±inf and NaN follow IEEE, as the sums do
-        for j in range(CHUNK_UPDATES):
+        for j in range(size):
             width, c = 1 << j, values[:, j, None]
             np.subtract(tables[:, :width], c, out=tables[:, width : 2 * width])
             tables[:, :width] += c
@@ -348,11 +364,17 @@ step's (K = 1 to 64, gpt-125m's 148 parameters) in ~0.1 ms of NumPy, where the d
 updates a call keep the device's derivation (NumPy's would take milliseconds there)."""
 
 
-DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096}  # 3: version 2's layout; 1024 within 1% on an H100
+COALESCED_TILES = True
+"""Versions 2 to 4: θ loaded and stored as whole [BLOCK] vectors and rearranged into the
+word tiles in shared memory (``_load_word_tiles``); False: tile by tile (before 2026-11-28),
+kept for bench/zo_apply.py's comparison."""
+
+DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096, 4: 1024}  # 2, 3: within 2% either way on an H100
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
-bandwidth at K = 1 with 1024 (0.86 with 4096). Version 2: 4096 with 4 warps (one word
-of 32 elements a thread, ``num_warps_for``), not measured on a GPU in this layout."""
+bandwidth at K = 1 with 1024 (0.86 with 4096). Versions 2 to 4: one word of 32 elements a
+thread (``num_warps_for``). Version 4 at K = 64 on an H100 (2026-11-28, coalesced tiles):
+0.511 of copy bandwidth with 1024 (one warp a program), 0.494 with 2048, 0.472 with 4096."""
 
 
 def num_warps_for(block: int, version: int = 1) -> int:
@@ -394,30 +416,61 @@ if triton is not None:
             theta = theta - acc
         tl.store(theta_ptr + offsets, theta, mask=mask)
 
-    @triton.jit
-    def _load_word_tiles(theta_ptr, at, n):  # type: ignore[no-untyped-def]
-        """θ as eight [4, words] tiles (tile q: lanes 4q to 4q + 3 of each word)."""
-        return (
-            tl.load(theta_ptr + at, mask=at < n),
-            tl.load(theta_ptr + at + 4, mask=at + 4 < n),
-            tl.load(theta_ptr + at + 8, mask=at + 8 < n),
-            tl.load(theta_ptr + at + 12, mask=at + 12 < n),
-            tl.load(theta_ptr + at + 16, mask=at + 16 < n),
-            tl.load(theta_ptr + at + 20, mask=at + 20 < n),
-            tl.load(theta_ptr + at + 24, mask=at + 24 < n),
-            tl.load(theta_ptr + at + 28, mask=at + 28 < n),
-        )
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _load_word_tiles(theta_ptr, n, BLOCK: tl.constexpr, COALESCED: tl.constexpr):  # type: ignore[no-untyped-def]
+        """A program's θ as eight [4, words] tiles (tile q: lanes 4q to 4q + 3 of each word).
+        COALESCED: loaded as one [BLOCK] vector (a warp loads 512 contiguous bytes an
+        instruction) and rearranged into the tiles, which Triton does through shared memory
+        once; else tile by tile, a thread loading its word's 16 bytes at a 128-byte stride
+        (each instruction touches 32 cache lines)."""
+        WORDS: tl.constexpr = BLOCK // 32
+        if COALESCED:
+            flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            whole = tl.load(theta_ptr + flat, mask=flat < n)
+            # Element 32w + 16a + 8b + 4c + m at [m, w, a, b, c]; tile q = 4a + 2b + c.
+            x = tl.permute(tl.reshape(whole, [WORDS, 2, 2, 2, 4]), (4, 0, 1, 2, 3))
+            c0, c1 = tl.split(x)
+            c0b0, c0b1 = tl.split(c0)
+            c1b0, c1b1 = tl.split(c1)
+            t0, t4 = tl.split(c0b0)
+            t2, t6 = tl.split(c0b1)
+            t1, t5 = tl.split(c1b0)
+            t3, t7 = tl.split(c1b1)
+            return t0, t1, t2, t3, t4, t5, t6, t7
+        else:
+            word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+            at = word[None, :] * 32 + tl.arange(0, 4)[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
+            return (
+                tl.load(theta_ptr + at, mask=at < n),
+                tl.load(theta_ptr + at + 4, mask=at + 4 < n),
+                tl.load(theta_ptr + at + 8, mask=at + 8 < n),
+                tl.load(theta_ptr + at + 12, mask=at + 12 < n),
+                tl.load(theta_ptr + at + 16, mask=at + 16 < n),
+                tl.load(theta_ptr + at + 20, mask=at + 20 < n),
+                tl.load(theta_ptr + at + 24, mask=at + 24 < n),
+                tl.load(theta_ptr + at + 28, mask=at + 28 < n),
+            )
 
-    @triton.jit
-    def _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7):  # type: ignore[no-untyped-def]
-        tl.store(theta_ptr + at, t0, mask=at < n)
-        tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
-        tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
-        tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
-        tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
-        tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
-        tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
-        tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _store_word_tiles(theta_ptr, n, BLOCK: tl.constexpr, COALESCED: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):  # type: ignore[no-untyped-def]
+        """``_load_word_tiles`` backwards."""
+        WORDS: tl.constexpr = BLOCK // 32
+        if COALESCED:
+            flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            c0 = tl.join(tl.join(t0, t4), tl.join(t2, t6))
+            c1 = tl.join(tl.join(t1, t5), tl.join(t3, t7))
+            tl.store(theta_ptr + flat, tl.reshape(tl.permute(tl.join(c0, c1), (1, 2, 3, 4, 0)), [BLOCK]), mask=flat < n)
+        else:
+            word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+            at = word[None, :] * 32 + tl.arange(0, 4)[:, None]
+            tl.store(theta_ptr + at, t0, mask=at < n)
+            tl.store(theta_ptr + at + 4, t1, mask=at + 4 < n)
+            tl.store(theta_ptr + at + 8, t2, mask=at + 8 < n)
+            tl.store(theta_ptr + at + 12, t3, mask=at + 12 < n)
+            tl.store(theta_ptr + at + 16, t4, mask=at + 16 < n)
+            tl.store(theta_ptr + at + 20, t5, mask=at + 20 < n)
+            tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
+            tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
 
     @triton.jit
     def _signed(h, shift, c):  # type: ignore[no-untyped-def]
@@ -427,7 +480,17 @@ if triton is not None:
         return (((h << shift) & 0x80000000) ^ c).to(tl.float32, bitcast=True)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _apply_v2_kernel(theta_ptr, n, ka_ptr, kb_ptr, coeff_ptr, bounds_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _apply_v2_kernel(  # type: ignore[no-untyped-def]
+        theta_ptr,
+        n,
+        ka_ptr,
+        kb_ptr,
+        coeff_ptr,
+        bounds_ptr,
+        num_groups,
+        BLOCK: tl.constexpr,
+        COALESCED: tl.constexpr = True,
+    ):
         """Version 2: one hash per word of 32 elements, made by the one thread that holds
         the word's 32 elements. θ is held as eight [4, words] tiles (tile q: lanes 4q to
         4q + 3 of each word), words along the tiles' last dimension: Triton lays such a
@@ -441,8 +504,7 @@ if triton is not None:
         WORDS: tl.constexpr = BLOCK // 32
         word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
         quad = tl.arange(0, 4)
-        at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
-        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, at, n)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, n, BLOCK, COALESCED)
         index = word.to(tl.uint32)
         shift = (31 - quad).to(tl.uint32)[:, None]  # bit j of the word up to bit 31: 31 − j
         for g in range(num_groups):
@@ -475,7 +537,7 @@ if triton is not None:
             t5 = t5 - a5
             t6 = t6 - a6
             t7 = t7 - a7
-        _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7)
+        _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _cross(a, b, d: tl.constexpr, m: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -497,7 +559,17 @@ if triton is not None:
         return tl.load(table + ((word[None, :] >> shift) & 0xFF))
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _apply_v3_kernel(theta_ptr, n, ka_ptr, kb_ptr, table_ptr, chunks_ptr, num_groups, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _apply_v3_kernel(  # type: ignore[no-untyped-def]
+        theta_ptr,
+        n,
+        ka_ptr,
+        kb_ptr,
+        table_ptr,
+        chunks_ptr,
+        num_groups,
+        BLOCK: tl.constexpr,
+        COALESCED: tl.constexpr = True,
+    ):
         """Version 3: θ in version 2's layout (a word of 32 elements in one thread, as eight
         [4, words] tiles); per chunk of 8 updates, the 8 hash words (update j's word holds
         bit e for element e) are transposed by five delta swaps so that element 4q + m's 8
@@ -508,8 +580,7 @@ if triton is not None:
         WORDS: tl.constexpr = BLOCK // 32
         word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
         quad = tl.arange(0, 4)
-        at = word[None, :] * 32 + quad[:, None]  # [4, WORDS]: lanes 0 to 3 of each word
-        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, at, n)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, n, BLOCK, COALESCED)
         index = word.to(tl.uint32)
         shift = (8 * quad).to(tl.uint32)[:, None]  # row m of a tile: byte m
         for g in range(num_groups):
@@ -570,7 +641,109 @@ if triton is not None:
             t5 = t5 - a5
             t6 = t6 - a6
             t7 = t7 - a7
-        _store_word_tiles(theta_ptr, at, n, t0, t1, t2, t3, t4, t5, t6, t7)
+        _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
+
+    @triton.jit
+    def _lane(like):  # type: ignore[no-untyped-def]
+        """This thread's lane in its warp (0 to 31), in ``like``'s shape."""
+        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.uint32, is_pure=True, pack=1)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _nibble_part(table, word, shift, SHUFFLE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """A [4, words] tile's chunk parts: the nibble of each word at bit ``shift`` (rows:
+        shift, shift + 8, …), looked up. SHUFFLE: ``table`` is the chunk's entry of this
+        thread's lane (lane L holds entry L mod 16) and one ``shfl.sync.idx`` fetches entry
+        b from lane b; it reads only the index's low 5 bits, so bit 4 (the next nibble's
+        bit 0) picks lane b + 16, which holds the same entry. Else ``table`` points at the
+        16 entries in memory (Triton's interpreter runs no PTX)."""
+        index = word[None, :] >> shift
+        if SHUFFLE:
+            held = tl.broadcast_to(table[None, :], index.shape)
+            return tl.inline_asm_elementwise(
+                "shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;",
+                "=r,r,r",
+                [held, index],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            return tl.load(table + (index & 0xF))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _apply_v4_kernel(  # type: ignore[no-untyped-def]
+        theta_ptr,
+        n,
+        ka_ptr,
+        kb_ptr,
+        table_ptr,
+        chunks_ptr,
+        num_groups,
+        BLOCK: tl.constexpr,
+        COALESCED: tl.constexpr = True,
+        SHUFFLE: tl.constexpr = True,
+    ):
+        """Version 4: version 3's kernel with chunks of 4 updates, whose table of 16 entries
+        a warp holds in registers (lane L: entry L mod 16) and looks up with one warp
+        shuffle, not a load: version 3's lookups are gathers over a table's 8 cache lines.
+        Per chunk, the 4 hash words are transposed by four delta swaps so that element
+        4q + m's 4 signs are the nibble at bit 8m + 4·(q mod 2) of word q // 2 (bit j:
+        update j). ``ka``/``kb``: the chunks' slots, 4 a chunk; group g is chunks
+        [chunks[g], chunks[g + 1]). A warp's 32 lanes must all run each shuffle: every
+        thread runs every step (loads and stores are masked, not skipped)."""
+        WORDS: tl.constexpr = BLOCK // 32
+        word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _load_word_tiles(theta_ptr, n, BLOCK, COALESCED)
+        index = word.to(tl.uint32)
+        shift = (8 * tl.arange(0, 4)).to(tl.uint32)[:, None]  # row m of a tile: bits 8m to 8m + 7
+        if SHUFFLE:
+            entry = _lane(index) & 15
+        for g in range(num_groups):
+            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
+            for c in range(tl.load(chunks_ptr + g), tl.load(chunks_ptr + g + 1)):
+                k = c * 4
+                h0 = _word(index, ka_ptr, kb_ptr, k)
+                h1 = _word(index, ka_ptr, kb_ptr, k + 1)
+                h2 = _word(index, ka_ptr, kb_ptr, k + 2)
+                h3 = _word(index, ka_ptr, kb_ptr, k + 3)
+                # Word index bits (j1 j0), bit index (e4 e3 e2 e1 e0) → word (e4 e3), bit
+                # (e1 e0 e2 j1 j0): four swaps of a word-index bit with a bit-index bit.
+                h0, h2 = _cross(h0, h2, 2, 0x33333333)  # j1 ↔ e1
+                h1, h3 = _cross(h1, h3, 2, 0x33333333)
+                h0, h2 = _cross(h0, h2, 16, 0x0000FFFF)  # (e1 there now) ↔ e4
+                h1, h3 = _cross(h1, h3, 16, 0x0000FFFF)
+                h0, h1 = _cross(h0, h1, 1, 0x55555555)  # j0 ↔ e0
+                h2, h3 = _cross(h2, h3, 1, 0x55555555)
+                h0, h1 = _cross(h0, h1, 8, 0x00FF00FF)  # (e0 there now) ↔ e3
+                h2, h3 = _cross(h2, h3, 8, 0x00FF00FF)
+                if SHUFFLE:  # noqa: SIM108 (Triton: `entry` exists only then)
+                    table = tl.load(table_ptr + c * 16 + entry)  # int32: apply_triton bounds the tables
+                else:
+                    table = table_ptr + c * 16
+                a0 += _nibble_part(table, h0, shift, SHUFFLE)  # tile q: word q // 2, nibble q mod 2
+                a1 += _nibble_part(table, h0, shift + 4, SHUFFLE)
+                a2 += _nibble_part(table, h1, shift, SHUFFLE)
+                a3 += _nibble_part(table, h1, shift + 4, SHUFFLE)
+                a4 += _nibble_part(table, h2, shift, SHUFFLE)
+                a5 += _nibble_part(table, h2, shift + 4, SHUFFLE)
+                a6 += _nibble_part(table, h3, shift, SHUFFLE)
+                a7 += _nibble_part(table, h3, shift + 4, SHUFFLE)
+            t0 = t0 - a0
+            t1 = t1 - a1
+            t2 = t2 - a2
+            t3 = t3 - a3
+            t4 = t4 - a4
+            t5 = t5 - a5
+            t6 = t6 - a6
+            t7 = t7 - a7
+        _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
 
 
 def _aligned(count: int) -> int:
@@ -609,15 +782,20 @@ def apply_triton(
     if not seeds or not params:
         return
     _require_cuda(params)
-    kernel = {1: _apply_kernel, 2: _apply_v2_kernel, 3: _apply_v3_kernel}[version]
+    kernel = {1: _apply_kernel, 2: _apply_v2_kernel, 3: _apply_v3_kernel, 4: _apply_v4_kernel}[version]
+    options: dict[str, bool] = {}
+    if version != 1:
+        options["COALESCED"] = COALESCED_TILES
+    if version == 4:  # Triton's interpreter runs no inline PTX: it takes the tables from memory
+        options["SHUFFLE"] = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
     # What the kernel sums and where its groups end: c and the groups' edges, or (version 3)
     # the chunks' tables and the groups' chunk edges, with each chunk's 8 key slots.
     host_values = coeffs.detach().cpu().numpy()
     host_edges, take = edges, None
-    if version == 3:
-        tables, host_edges, slots = chunk_tables(host_values, edges)
+    if version in CHUNK_UPDATES:
+        tables, host_edges, slots = chunk_tables(host_values, edges, CHUNK_UPDATES[version])
         host_values, take = tables.ravel(), slots.ravel()
     # Uploads without a wait (``rng.upload``): the launches queue behind the last call's.
     if len(params) * len(seeds) <= HOST_KEYS:  # the keys, c and the groups' edges in one upload
@@ -648,7 +826,16 @@ def apply_triton(
             keys = keys.to(param.device)
             grid = (triton.cdiv(param.numel(), block),)
             kernel[grid](
-                param, param.numel(), keys[0], keys[1], values, starts, len(edges) - 1, BLOCK=block, num_warps=warps
+                param,
+                param.numel(),
+                keys[0],
+                keys[1],
+                values,
+                starts,
+                len(edges) - 1,
+                BLOCK=block,
+                num_warps=warps,
+                **options,
             )
 
 

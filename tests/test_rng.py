@@ -63,10 +63,11 @@ def test_published_vectors_of_version_2(case: dict) -> None:  # type: ignore[typ
     signs = rng.sign_bits(seed, p, 1 << 20, version=2).to(torch.uint8).numpy()
     assert hashlib.sha256(np.packbits(signs).tobytes()).hexdigest() == case["sign_bits_2_20_sha256"]
     assert int(rng.rademacher(seed, p, 1 << 20, version=2).sum()) == case["sign_sum_2_20"]
-    # Version 3 has version 2's signs (it differs in how an apply sums them): its vectors too.
-    assert rng.sign_bits(seed, p, 64, offset=2**32 - 64, version=3).tolist() == case["sign_bits_last_64"]
-    signs = rng.sign_bits(seed, p, 1 << 20, version=3).to(torch.uint8).numpy()
-    assert hashlib.sha256(np.packbits(signs).tobytes()).hexdigest() == case["sign_bits_2_20_sha256"]
+    # Versions 3 and 4 have version 2's signs (they differ in how an apply sums them): its vectors too.
+    for version in (3, 4):
+        assert rng.sign_bits(seed, p, 64, offset=2**32 - 64, version=version).tolist() == case["sign_bits_last_64"]
+        signs = rng.sign_bits(seed, p, 1 << 20, version=version).to(torch.uint8).numpy()
+        assert hashlib.sha256(np.packbits(signs).tobytes()).hexdigest() == case["sign_bits_2_20_sha256"]
 
 
 @pytest.mark.parametrize("version", rng.VERSIONS)

@@ -96,7 +96,7 @@ def test_a_manifest_without_a_newer_setting_means_what_its_release_did() -> None
         ({"outer": {"beta": 3.0}}, "outer.beta"),
         ({"outer": {"delta": 1.0}}, "outer.delta"),
         ({"zo": {"g_max": 0.0}}, "zo.g_max"),
-        ({"zo": {"signs": 4}}, "zo.signs"),
+        ({"zo": {"signs": 5}}, "zo.signs"),
         ({"spes": {"prefer_owned": -0.1}}, "spes.prefer_owned"),
         ({"spes": {"prefer_owned": 1.5}}, "spes.prefer_owned"),
         ({"zo": 5}, "zo"),

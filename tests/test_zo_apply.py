@@ -38,7 +38,7 @@ def test_the_update_is_theta_minus_the_sum_of_lr_g_z(version: int) -> None:
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(("version", "chunk"), [(1, 7), (2, 7), (2, 64), (3, 7)])
+@pytest.mark.parametrize(("version", "chunk"), [(1, 7), (2, 7), (2, 64), (3, 7), (4, 7)])
 def test_chunking_does_not_change_a_bit(monkeypatch: pytest.MonkeyPatch, version: int, chunk: int) -> None:
     whole, chunked = params(), params()
     coeffs = zo_apply.coefficients(0.1, GS)
@@ -55,64 +55,69 @@ def test_the_generators_differ_and_an_unknown_one_is_refused() -> None:
     zo_apply.apply(two, SEEDS, coeffs, version=2)
     assert not torch.equal(one[1], two[1])
     with pytest.raises(ValueError, match="generator version"):
-        zo_apply.apply(params(), SEEDS, coeffs, version=4)
+        zo_apply.apply(params(), SEEDS, coeffs, version=5)
 
 
 def _by_the_definition(
-    theta: torch.Tensor, p: int, seeds: list[int], coeffs: torch.Tensor, ends: list[int]
+    theta: torch.Tensor, p: int, seeds: list[int], coeffs: torch.Tensor, ends: list[int], size: int
 ) -> torch.Tensor:
-    """Version 3 element by element, in NumPy float32 scalars, signs from the pure-Python
-    generator: per group, chunks of 8 updates each summed from +0.0, the parts summed from
-    +0.0, θ − acc."""
+    """Versions 3 and 4 element by element, in NumPy float32 scalars, signs from the
+    pure-Python generator: per group, chunks of ``size`` updates each summed from +0.0, the
+    parts summed from +0.0, θ − acc."""
     out = theta.numpy().copy()
     c = coeffs.numpy()
     for e in range(out.size):
         for begin, end in itertools.pairwise([0, *ends]):
             acc = np.float32(0.0)
-            for first in range(begin, end, 8):
+            for first in range(begin, end, size):
                 part = np.float32(0.0)
-                for k in range(first, min(first + 8, end)):
+                for k in range(first, min(first + size, end)):
                     part = np.float32(part + (-c[k] if rng.sign_bit_int(seeds[k], p, e, 2) else c[k]))
                 acc = np.float32(acc + part)
             out[e] = np.float32(out[e] - acc)
     return torch.from_numpy(out)
 
 
-def test_version_3_sums_each_group_in_chunks_of_8() -> None:
-    """Version 3, bit for bit, against its definition written out. The first group's chunks
-    round otherwise than one running sum: 1.0 (and seven updates of 0.0) in chunk 0, eight of
-    2**-25 in chunk 1. Summed one by one after ±1.0, each 2**-25 is at most half an ulp and
-    goes (a tie rounds to 1.0, even); chunk 1's part is their exact sum k·2**-25, and for
-    many k (|k| ≥ 4 always, k = ±2 on one side of 1.0) ±1.0 + part is another float."""
+@pytest.mark.parametrize(("version", "size"), sorted(zo_apply.CHUNK_UPDATES.items()))
+def test_versions_3_and_4_sum_each_group_in_chunks(version: int, size: int) -> None:
+    """Versions 3 and 4 (chunks of 8 and 4), bit for bit, against their definition written
+    out. The first group's chunks round otherwise than one running sum: 1.0 (and ``size`` − 1
+    updates of 0.0) in chunk 0, then 8 of 2**-25 in the next chunk(s). Summed one by one
+    after ±1.0, each 2**-25 is at most half an ulp and goes (a tie rounds to 1.0, even); a
+    chunk's part is their exact sum k·2**-25, and for many k (|k| ≥ 4 always, k = ±2 on one
+    side of 1.0) ±1.0 + part is another float."""
     gen = torch.Generator().manual_seed(3)
-    seeds = [int(s) for s in torch.randint(0, 2**62, (28,), generator=gen)]
-    coeffs = torch.tensor([1.0, *([0.0] * 7), *([2.0**-25] * 8), *(torch.randn(12, generator=gen) * 1e-3).tolist()])
-    ends = [16, 28]
+    lead = size + 8  # chunk 0, then 8 small updates (one chunk of 8 or two of 4)
+    seeds = [int(s) for s in torch.randint(0, 2**62, (lead + 12,), generator=gen)]
+    coeffs = torch.tensor(
+        [1.0, *([0.0] * (size - 1)), *([2.0**-25] * 8), *(torch.randn(12, generator=gen) * 1e-3).tolist()]
+    )
+    ends = [lead, lead + 12]
     theta = torch.randn(2000, generator=gen)
-    three, two = [theta.clone()], [theta.clone()]
-    zo_apply.apply_reference(three, seeds, coeffs, version=3, ends=ends)
-    zo_apply.apply_reference(two, seeds, coeffs, version=2, ends=ends)
-    assert same_bits(three[0], _by_the_definition(theta, 0, seeds, coeffs, ends))
-    first_three, first_two = [theta.clone()], [theta.clone()]
-    zo_apply.apply_reference(first_three, seeds[:16], coeffs[:16], version=3)
-    zo_apply.apply_reference(first_two, seeds[:16], coeffs[:16], version=2)
-    differ = (first_three[0].view(torch.int32) != first_two[0].view(torch.int32)).sum().item()
-    assert differ > 500  # 758 of the 2000 (θ − acc rounds some apart back): the chunks are part of the rule
+    chunked = [theta.clone()]
+    zo_apply.apply_reference(chunked, seeds, coeffs, version=version, ends=ends)
+    assert same_bits(chunked[0], _by_the_definition(theta, 0, seeds, coeffs, ends, size))
+    first_chunked, first_two = [theta.clone()], [theta.clone()]
+    zo_apply.apply_reference(first_chunked, seeds[:lead], coeffs[:lead], version=version)
+    zo_apply.apply_reference(first_two, seeds[:lead], coeffs[:lead], version=2)
+    differ = (first_chunked[0].view(torch.int32) != first_two[0].view(torch.int32)).sum().item()
+    assert differ > 300  # the chunks are part of the rule (θ − acc rounds some apart back)
 
 
-def test_version_3_calls_are_bounded_alike_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel indexes its tables in int32, so a call's updates are bounded, and every
+def test_versions_3_and_4_calls_are_bounded_alike_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels index their tables in int32, so a call's updates are bounded, and every
     implementation refuses the same calls (a GPU peer must not refuse what a CPU peer
     applies); the worker's largest call fits under the bound."""
     from training.algorithms.zo import MAX_UPDATES_PER_ROUND, REPLAY_BATCH_UPDATES
 
-    assert REPLAY_BATCH_UPDATES + MAX_UPDATES_PER_ROUND <= zo_apply.MAX_V3_UPDATES
-    assert zo_apply.MAX_V3_UPDATES * 256 < 2**31
-    monkeypatch.setattr(zo_apply, "MAX_V3_UPDATES", 4)
+    assert REPLAY_BATCH_UPDATES + MAX_UPDATES_PER_ROUND <= zo_apply.MAX_CHUNKED_UPDATES
+    assert zo_apply.MAX_CHUNKED_UPDATES * max(1 << size for size in zo_apply.CHUNK_UPDATES.values()) < 2**31
+    monkeypatch.setattr(zo_apply, "MAX_CHUNKED_UPDATES", 4)
     coeffs = zo_apply.coefficients(1e-3, [1.0] * 5)
     for apply in (zo_apply.apply_reference, zo_apply.apply_cpu):
-        with pytest.raises(ValueError, match="at most 4 updates"):
-            apply(params(), [1, 2, 3, 4, 5], coeffs, version=3)
+        for version in zo_apply.CHUNK_UPDATES:
+            with pytest.raises(ValueError, match="at most 4 updates"):
+                apply(params(), [1, 2, 3, 4, 5], coeffs, version=version)
         apply(params(), [1, 2, 3, 4, 5], coeffs, version=2)  # the others have no such bound
 
 
@@ -122,9 +127,9 @@ def test_a_host_that_flushes_subnormals_is_refused() -> None:
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush subnormals (nothing to guard against)")
     try:
-        for apply in (zo_apply.apply_reference, zo_apply.apply_cpu):
+        for apply, version in itertools.product((zo_apply.apply_reference, zo_apply.apply_cpu), (3, 4)):
             with pytest.raises(RuntimeError, match="subnormals"):
-                apply(params(), SEEDS, zo_apply.coefficients(1e-3, GS), version=3)
+                apply(params(), SEEDS, zo_apply.coefficients(1e-3, GS), version=version)
         with pytest.raises(RuntimeError, match="subnormals"):
             zo_apply.chunk_tables(np.ones(3, dtype=np.float32), [0, 3])
     finally:
@@ -132,17 +137,17 @@ def test_a_host_that_flushes_subnormals_is_refused() -> None:
     zo_apply.apply_cpu(params(), SEEDS, zo_apply.coefficients(1e-3, GS), version=3)
 
 
-def test_version_3_is_version_2_for_groups_of_up_to_8_updates() -> None:
+@pytest.mark.parametrize(("version", "sizes"), [(3, [8, 1, 0, 5, 3]), (4, [4, 1, 0, 3, 2])])
+def test_versions_3_and_4_are_version_2_for_groups_of_one_chunk(version: int, sizes: list[int]) -> None:
     """A ZO step's round of a few updates: the same bits under both (+0.0 + part is part)."""
     gen = torch.Generator().manual_seed(8)
-    sizes = [8, 1, 0, 5, 3]
     seeds = [int(s) for s in torch.randint(0, 2**62, (sum(sizes),), generator=gen)]
     coeffs = torch.tensor((SPECIAL_COEFFS + (torch.randn(17, generator=gen) * 1e-3).tolist())[: sum(sizes)])
     ends = list(itertools.accumulate(sizes))
-    two, three = params(), params()
+    two, chunked = params(), params()
     zo_apply.apply_reference(two, seeds, coeffs, version=2, ends=ends)
-    zo_apply.apply_cpu(three, seeds, coeffs, version=3, ends=ends)
-    assert all(same_bits(a, b) for a, b in zip(two, three, strict=True))
+    zo_apply.apply_cpu(chunked, seeds, coeffs, version=version, ends=ends)
+    assert all(same_bits(a, b) for a, b in zip(two, chunked, strict=True))
 
 
 def test_a_chunks_table_holds_its_parts_and_ignores_its_spare_slots() -> None:
@@ -157,6 +162,17 @@ def test_a_chunks_table_holds_its_parts_and_ignores_its_spare_slots() -> None:
     assert slots.tolist() == [[0, 1, 2, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9, 10]]
     for c, (first, last) in enumerate([(0, 3), (3, 11)]):
         for b in range(256):
+            part = np.float32(0.0)
+            with np.errstate(over="ignore"):
+                for j in range(last - first):
+                    part = np.float32(part + (-coeffs[first + j] if b >> j & 1 else coeffs[first + j]))
+            assert tables[c, b].view(np.int32) == part.view(np.int32), (c, b)
+    # chunks of 4 (version 4): 16 entries, the same sums
+    tables, chunk_edges, slots = zo_apply.chunk_tables(coeffs, [0, 3, 3, 11], 4)
+    assert chunk_edges == [0, 1, 1, 3] and tables.shape == (3, 16)
+    assert slots.tolist() == [[0, 1, 2, 0], [3, 4, 5, 6], [7, 8, 9, 10]]
+    for c, (first, last) in enumerate([(0, 3), (3, 7), (7, 11)]):
+        for b in range(16):
             part = np.float32(0.0)
             with np.errstate(over="ignore"):
                 for j in range(last - first):
@@ -235,13 +251,27 @@ def test_the_triton_kernels_give_the_reference_bits_on_cuda(
         expected = [t.clone() for t in theta]
         zo_apply.apply_reference(expected, seeds, coeffs, version=version)
         # keys from the host in the packed upload (a step's few), then from the device's ops (a replay's many)
-        for block, host_keys in ((None, True), (4096, True), (1024, True), (32, True), (None, False)):
+        for block, host_keys, coalesced in (
+            (None, True, True),
+            (4096, True, True),
+            (1024, True, True),
+            (32, True, True),
+            (None, False, True),
+            (None, True, False),  # the tiles loaded one by one (bench/zo_apply.py's comparison)
+        ):
             monkeypatch.setattr(zo_apply, "HOST_KEYS", 1 << 16 if host_keys else 0)
+            monkeypatch.setattr(zo_apply, "COALESCED_TILES", coalesced)
             on_gpu = [t.cuda() for t in theta]
             zo_apply.apply_triton(on_gpu, seeds, coeffs, version=version, block=block)
-            assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (window, block, host_keys)
+            assert all(same_bits(a, b.cpu()) for a, b in zip(expected, on_gpu, strict=True)), (
+                window,
+                block,
+                host_keys,
+                coalesced,
+            )
         # the same updates as groups (a replay's rounds in one launch): the bits of one call a group
         ends = [len(seeds) // 3, len(seeds) // 3, len(seeds)]  # the middle group empty
+        monkeypatch.setattr(zo_apply, "COALESCED_TILES", True)
         grouped = [t.clone() for t in theta]
         zo_apply.apply_reference(grouped, seeds, coeffs, version=version, ends=ends)
         for host_keys in (True, False):
@@ -299,7 +329,7 @@ def test_apply_takes_the_numpy_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     zo_apply.apply(theta, SEEDS, coeffs)
     assert all(same_bits(a, b) for a, b in zip(expected, theta, strict=True))
     with pytest.raises(ValueError, match="generator version"):
-        zo_apply.apply_cpu(theta, SEEDS, coeffs, version=4)
+        zo_apply.apply_cpu(theta, SEEDS, coeffs, version=5)
 
 
 def test_no_updates_leave_even_a_signalling_nan_as_it_is() -> None:

@@ -131,11 +131,17 @@ class ZoConfig:
     sum up in a table: the same bits as 2 for rounds of at most 8 updates; its kernel takes
     1.69 instructions per element and update against version 2's 4.09 (sm_90 code) and ran
     64 updates a pass 1.26× as fast as version 2's on an H100 (0.379 of copy bandwidth
-    against 0.300; 1 and 8 a pass the same). For runs whose rounds hold many updates (nodes ×
-    H): a round of fewer than 8 still makes a chunk's 8 hashes and its table of 256."""
+    against 0.300; 1 and 8 a pass the same), 1.04× since both load θ whole (0.289 / 0.277).
+    For runs whose rounds hold many updates (nodes × H): a round of fewer than 8 still makes
+    a chunk's 8 hashes and its table of 256. 4: as 3
+    with chunks of 4, whose tables of 16 a GPU holds in a warp's registers and looks up by
+    shuffles, not loads (the same bits as 2 for rounds of at most 4 updates): on an H100
+    (2026-11-28) 64 updates a pass at 0.511 of copy bandwidth against version 2's 0.277, 1
+    and 8 a pass at 0.99 as version 2, a gpt-125m log replayed at 29.2k updates/s against
+    21.4k (docs/zo.md). Versions 3 and 4 are opt-in: no run has used them yet."""
 
     def __post_init__(self) -> None:
-        _check(self.signs in (1, 2, 3), f"zo.signs: must be 1, 2 or 3, got {self.signs!r}")
+        _check(self.signs in (1, 2, 3, 4), f"zo.signs: must be 1, 2, 3 or 4, got {self.signs!r}")
         _in_range("zo.eps", self.eps, 0.0, 1.0, lo_open=True)
         _in_range("zo.lr", self.lr, 0.0, 1.0)
         _in_range("zo.g_max", self.g_max, 0.0, 1e6, lo_open=True)
