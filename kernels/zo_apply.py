@@ -83,7 +83,8 @@ the reference's bits on an H100 (tests/test_zo_apply.py, 2026-11-28) and ran K =
 its table lookups are gathers over a table's 8 cache lines (docs/zo.md). Those 0.57 were
 the word tiles' loads and stores, a thread's 16 bytes at a 128-byte stride (each
 instruction touching 32 cache lines); versions 2 to 4 now load and store θ as whole [BLOCK]
-vectors and rearrange it in shared memory (``COALESCED_TILES``). On an H100 (2026-11-28,
+vectors, which Triton rearranges once, outside the loop, through shared memory and warp
+shuffles (``COALESCED_TILES``). On an H100 (2026-11-28,
 block 1024): K = 1 and 8 at 0.99 for versions 2 to 4; K = 64 version 2 0.277 (0.300
 before), version 3 0.289, version 4 (1.75 instructions an element-update, no gathers)
 **0.511** (0.434 with the old tiles); all bit for bit in the CUDA tests, both tile paths.
@@ -91,7 +92,6 @@ before), version 3 0.289, version 4 (1.75 instructions an element-update, no gat
 
 import itertools
 import operator
-import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -366,10 +366,10 @@ updates a call keep the device's derivation (NumPy's would take milliseconds the
 
 COALESCED_TILES = True
 """Versions 2 to 4: θ loaded and stored as whole [BLOCK] vectors and rearranged into the
-word tiles in shared memory (``_load_word_tiles``); False: tile by tile (before 2026-11-28),
+word tiles by Triton (``_load_word_tiles``); False: tile by tile (before 2026-11-28),
 kept for bench/zo_apply.py's comparison."""
 
-DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096, 4: 1024}  # 2, 3: within 2% either way on an H100
+DEFAULT_BLOCK = {1: 1024, 2: 4096, 3: 4096, 4: 1024}  # 2, 3: 1024 to 4096 within 4% on an H100
 """Elements per program, by generator version: measured on an H200 (bench/zo_apply.py
 --mparams 256 --fused-only --blocks 1024,4096, 2026-11-26), version 1 ran at 0.88 of copy
 bandwidth at K = 1 with 1024 (0.86 with 4096). Versions 2 to 4: one word of 32 elements a
@@ -420,9 +420,10 @@ if triton is not None:
     def _load_word_tiles(theta_ptr, n, BLOCK: tl.constexpr, COALESCED: tl.constexpr):  # type: ignore[no-untyped-def]
         """A program's θ as eight [4, words] tiles (tile q: lanes 4q to 4q + 3 of each word).
         COALESCED: loaded as one [BLOCK] vector (a warp loads 512 contiguous bytes an
-        instruction) and rearranged into the tiles, which Triton does through shared memory
-        once; else tile by tile, a thread loading its word's 16 bytes at a 128-byte stride
-        (each instruction touches 32 cache lines)."""
+        instruction) and rearranged into the tiles, which Triton does once, through shared
+        memory and warp shuffles (how much of each depends on the block); else tile by
+        tile, a thread loading its word's 16 bytes at a 128-byte stride (each instruction
+        touches 32 cache lines)."""
         WORDS: tl.constexpr = BLOCK // 32
         if COALESCED:
             flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -752,6 +753,14 @@ def _aligned(count: int) -> int:
     return -(-count // 4) * 4
 
 
+def _interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` runs in Triton's interpreter (TRITON_INTERPRET, read when the
+    kernel was made), which runs no inline PTX."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
 def _require_cuda(params: Sequence[torch.Tensor]) -> None:
     for p, param in enumerate(params):
         if param.device.type != "cuda":
@@ -787,7 +796,7 @@ def apply_triton(
     if version != 1:
         options["COALESCED"] = COALESCED_TILES
     if version == 4:  # Triton's interpreter runs no inline PTX: it takes the tables from memory
-        options["SHUFFLE"] = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        options["SHUFFLE"] = not _interpreted(kernel)
     warps = num_warps_for(block, version) if num_warps is None else num_warps
     device = params[0].device
     # What the kernel sums and where its groups end: c and the groups' edges, or (version 3)

@@ -138,7 +138,7 @@ class ZoConfig:
     shuffles, not loads (the same bits as 2 for rounds of at most 4 updates): on an H100
     (2026-11-28) 64 updates a pass at 0.511 of copy bandwidth against version 2's 0.277, 1
     and 8 a pass at 0.99 as version 2, a gpt-125m log replayed at 29.2k updates/s against
-    21.4k (docs/zo.md). Versions 3 and 4 are opt-in: no run has used them yet."""
+    21.4k (docs/zo.md). Versions 3 and 4 are opt-in; the default stays 2."""
 
     def __post_init__(self) -> None:
         _check(self.signs in (1, 2, 3, 4), f"zo.signs: must be 1, 2, 3 or 4, got {self.signs!r}")
