@@ -19,6 +19,7 @@ Choices, each measured or learned in ../shared/probes:
 """
 
 import logging
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import multiaddr
 import multiaddr.exceptions
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetConn, INetwork, INotifee
+from libp2p.abc import IHost, IMuxedConn, INetConn, INetwork, INotifee
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
@@ -639,27 +640,53 @@ def peer_id_from_seed(seed: bytes) -> str:
     return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
 
 
-def _socket_streams(raw_host: IHost) -> list[trio.SocketStream]:
-    streams = (socket_stream_of(c) for conns in list(raw_host.get_network().connections.values()) for c in conns)
-    return [s for s in streams if s is not None]
+def _track_connections(raw_host: IHost) -> "weakref.WeakSet[INetConn]":
+    """Every connection the host registers, held weakly (``_close`` closes their sockets).
+
+    libp2p 0.8.1 takes some connections out of its table before closing them: one over
+    ``max_connections_per_peer`` (two peers dialing each other at once) is trimmed from the
+    table and its close left to a task, which shutdown cancels mid-close. Its socket then
+    stayed open until the garbage collector found it (an unclosed-socket ResourceWarning in
+    whichever test ran then: found by recording every socket's maker and last reader)."""
+    network = raw_host.get_network()
+    made: weakref.WeakSet[INetConn] = weakref.WeakSet()
+    add_conn = network.add_conn
+
+    async def add_and_track(muxed_conn: IMuxedConn, direction: str = "unknown") -> INetConn:
+        conn = await add_conn(muxed_conn, direction)
+        made.add(conn)
+        return conn
+
+    network.add_conn = add_and_track
+    return made
 
 
-async def _close(raw_host: IHost, nat: Nat) -> None:
+def _socket_streams(raw_host: IHost, made: "weakref.WeakSet[INetConn]") -> list[trio.SocketStream]:
+    tabled = [c for conns in list(raw_host.get_network().connections.values()) for c in conns]
+    streams = {id(s): s for s in map(socket_stream_of, [*tabled, *list(made)]) if s is not None}
+    return list(streams.values())
+
+
+async def _close(raw_host: IHost, nat: Nat, made: "weakref.WeakSet[INetConn]") -> None:
     """Close the host even while we are being cancelled, and every socket it had.
 
     Shielded, because teardown usually runs in a cancelled scope where close() would
     return at its first checkpoint. And libp2p 0.8.1 leaves a connection's socket open
-    when the task reading it is cancelled mid-read, so we close what remains ourselves.
+    when the task reading it is cancelled mid-read, or when it had taken the connection
+    out of its table before closing it (``_track_connections``), so we close what remains
+    ourselves: without a checkpoint, so that a close past the deadline still closes them.
     The NAT part stops first: seeing the connections go, it would dial them again (a
     relayed peer through our relay), and that dial, cancelled midway, left a socket open.
     """
     nat.stop()
-    with trio.CancelScope(deadline=trio.current_time() + HOST_CLOSE_TIMEOUT_S, shield=True):
-        sockets = _socket_streams(raw_host)
-        await raw_host.close()
-        for stream in sockets:
+    sockets = _socket_streams(raw_host, made)
+    try:
+        with trio.CancelScope(deadline=trio.current_time() + HOST_CLOSE_TIMEOUT_S, shield=True):
+            await raw_host.close()
+    finally:
+        for stream in [*sockets, *_socket_streams(raw_host, made)]:
             if stream.socket.fileno() != -1:
-                await trio.aclose_forcefully(stream)
+                stream.socket.close()
 
 
 @asynccontextmanager
@@ -722,6 +749,7 @@ async def open_host(
     if relayed_tensors_mbps > 0:
         host.relayed_tensor_limit = RateLimit.from_mbps(relayed_tensors_mbps)
     DialbackServer(host).register()
+    made = _track_connections(raw_host)
     async with AsyncExitStack() as stack:
         try:
             await stack.enter_async_context(raw_host.run(listen))
@@ -735,5 +763,5 @@ async def open_host(
         await nursery.start(nat.run, host)
         # Registered last, so run first: the host closes before its services exit
         # (else "Nursery is closed" at shutdown) and before host.run() exits (else leaks).
-        stack.push_async_callback(_close, raw_host, nat)
+        stack.push_async_callback(_close, raw_host, nat, made)
         yield host
