@@ -63,20 +63,22 @@ async def test_a_closed_connection_left_listed_does_not_stop_the_next_stream_fro
         peer.set_handler(PROTOCOL, serve)
         await us.connect(parse_dial_addr(peer.addrs()[0]), timeout_s=5)
         (conn,) = us._host.get_network().get_connections(parse_peer_id(peer.peer_id))
-        # A close that stopped after marking the connection closed (a fault no public API makes).
+        # A close that stopped after marking the connection closed (a fault no public API
+        # makes), its socket left open: taken off the table, the socket is closed at once
+        # (it stayed open until the garbage collector's unclosed-socket warning).
         conn.event_closed.set()
-        for sock in us.socket_streams(peer.peer_id):
-            await trio.aclose_forcefully(sock)
+        (sock,) = us.socket_streams(peer.peer_id)
         stream = await us.open_stream(peer.peer_id, PROTOCOL, timeout_s=10)  # dials again
+        assert sock.socket.fileno() == -1
         assert await stream.read_exact(2) == b"ok"
         await stream.close()
 
 
 async def test_a_connection_libp2p_took_off_its_table_unclosed_has_its_socket_closed_with_the_host() -> None:
-    """libp2p's per-peer trim (two peers dialing each other at once) takes a connection off
-    its table and leaves its close to a task that shutdown cancels: the socket stayed open
-    until the garbage collector found it, an unclosed-socket warning failing whichever test
-    ran then. The host closes such sockets itself when it closes (its peer still up)."""
+    """libp2p takes connections off its table with their sockets open (a close cut short,
+    a per-peer trim whose close task shutdown cancels): the socket stayed open until the
+    garbage collector found it, an unclosed-socket warning failing whichever test ran then.
+    The host closes such sockets itself when it closes (its peer still up)."""
     listen = ["/ip4/127.0.0.1/tcp/0"]
     async with open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as peer:
         async with open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as us:
@@ -85,7 +87,7 @@ async def test_a_connection_libp2p_took_off_its_table_unclosed_has_its_socket_cl
             # (identify, gossip, DHT) are done, and none of them closes the connection at
             # shutdown by chance (without the fix the socket then stayed open 8 runs in 8).
             await trio.testing.wait_all_tasks_blocked(0.05)
-            network = us._host.get_network()  # what _trim_connections does, before its close task runs
+            network = us._host.get_network()  # as libp2p's remove_conn and trim do
             [conn] = network.connections.pop(parse_peer_id(peer.peer_id))
             sock = socket_stream_of(conn)
             assert sock is not None and sock.socket.fileno() != -1

@@ -56,7 +56,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from protocol.errors import BadMessage, DialError, NotSupported, ProtocolError, StreamError
 from protocol.net.addrs import announce_for, ensure_port_free, is_global_addr, on_local_ips, resolve_addr
 from protocol.net.addrs import check_listen_addr as check_listen_addr  # re-exported
-from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of
+from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of, socket_under
 from protocol.net.dialback import DialbackServer
 from protocol.net.guard import Guard
 from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
@@ -520,7 +520,11 @@ class Host:
         """Drop connections to ``peer_id`` that are closed but still listed. libp2p removes a
         connection from its table only at the end of its close; a close cut short (by our
         timeout) left it listed, and every new stream to that peer then failed at once with
-        "No valid connections available" instead of dialling (a helper's repro)."""
+        "No valid connections available" instead of dialling (a helper's repro). Its socket,
+        which the cut-short close never reached, is closed here: off the table, nothing
+        else would close it, and the garbage collector's unclosed-socket warning failed
+        whichever test ran then (found by recording each socket's maker, last reader and
+        who took it off the table: the reachability check's stream, through here)."""
         try:
             key = parse_peer_id(peer_id)
         except DialError:
@@ -529,6 +533,9 @@ class Host:
         for connection in list(network.connections.get(key, [])):
             if connection.is_closed:
                 network.remove_conn(connection)  # the swarm's own bookkeeping (health, resource counts)
+                sock = socket_stream_of(connection)
+                if sock is not None and sock.socket.fileno() != -1:
+                    sock.socket.close()
 
     def set_handler(self, protocol_id: str, handler: StreamHandler, *, deadline_s: float = HANDLER_DEADLINE_S) -> None:
         """Serve ``protocol_id``: ``handler`` gets each inbound stream, closed afterwards.
@@ -640,34 +647,36 @@ def peer_id_from_seed(seed: bytes) -> str:
     return str(ID.from_pubkey(key_pair_from_seed(seed).public_key).to_base58())
 
 
-def _track_connections(raw_host: IHost) -> "weakref.WeakSet[INetConn]":
-    """Every connection the host registers, held weakly (``_close`` closes their sockets).
+def _track_connections(raw_host: IHost) -> "weakref.WeakSet[IMuxedConn]":
+    """Every connection the host's swarm is handed, held weakly (``_close`` closes their
+    sockets), from the moment ``add_conn`` gets it: it can take one off its table and
+    fail, or be cancelled, before returning.
 
-    libp2p 0.8.1 takes some connections out of its table before closing them: one over
-    ``max_connections_per_peer`` (two peers dialing each other at once) is trimmed from the
-    table and its close left to a task, which shutdown cancels mid-close. Its socket then
-    stayed open until the garbage collector found it (an unclosed-socket ResourceWarning in
-    whichever test ran then: found by recording every socket's maker and last reader)."""
+    A backstop: connections leave the swarm's table with their sockets open in more ways
+    than we close them ourselves (``_forget_closed_connections``): libp2p 0.8.1's
+    ``SwarmConn.close`` marks itself closed before its muxer's close, which can fail or be
+    cut short and is never retried, and its per-peer trim (a connection over
+    ``max_connections_per_peer`` once the older one is past the 20 s grace period) leaves
+    the close to a task that shutdown cancels."""
     network = raw_host.get_network()
-    made: weakref.WeakSet[INetConn] = weakref.WeakSet()
+    made: weakref.WeakSet[IMuxedConn] = weakref.WeakSet()
     add_conn = network.add_conn
 
     async def add_and_track(muxed_conn: IMuxedConn, direction: str = "unknown") -> INetConn:
-        conn = await add_conn(muxed_conn, direction)
-        made.add(conn)
-        return conn
+        made.add(muxed_conn)
+        return await add_conn(muxed_conn, direction)
 
     network.add_conn = add_and_track
     return made
 
 
-def _socket_streams(raw_host: IHost, made: "weakref.WeakSet[INetConn]") -> list[trio.SocketStream]:
-    tabled = [c for conns in list(raw_host.get_network().connections.values()) for c in conns]
-    streams = {id(s): s for s in map(socket_stream_of, [*tabled, *list(made)]) if s is not None}
+def _socket_streams(raw_host: IHost, made: "weakref.WeakSet[IMuxedConn]") -> list[trio.SocketStream]:
+    tabled = [socket_stream_of(c) for conns in list(raw_host.get_network().connections.values()) for c in conns]
+    streams = {id(s): s for s in [*tabled, *map(socket_under, list(made))] if s is not None}
     return list(streams.values())
 
 
-async def _close(raw_host: IHost, nat: Nat, made: "weakref.WeakSet[INetConn]") -> None:
+async def _close(raw_host: IHost, nat: Nat, made: "weakref.WeakSet[IMuxedConn]") -> None:
     """Close the host even while we are being cancelled, and every socket it had.
 
     Shielded, because teardown usually runs in a cancelled scope where close() would
@@ -679,7 +688,7 @@ async def _close(raw_host: IHost, nat: Nat, made: "weakref.WeakSet[INetConn]") -
     relayed peer through our relay), and that dial, cancelled midway, left a socket open.
     """
     nat.stop()
-    sockets = _socket_streams(raw_host, made)
+    sockets = _socket_streams(raw_host, made)  # strong references: none is collected open meanwhile
     try:
         with trio.CancelScope(deadline=trio.current_time() + HOST_CLOSE_TIMEOUT_S, shield=True):
             await raw_host.close()
