@@ -5,9 +5,9 @@ PYTHONPATH).
 
 Each kernel of kernels/zo_apply.py is compiled with ``triton.compile`` for ``--arch``
 (default sm_90, Hopper), the SASS dumped with the ``cuobjdump`` that Triton ships, and the
-innermost loop (the smallest backward branch: one update for a thread's elements; version
-3's, one chunk of 8 updates) counted by opcode. Divided by the element-updates a pass makes
-(block / (32 · warps) elements a thread, times 8 for version 3), that is the
+innermost loop (the smallest backward branch: one update for a thread's elements; versions
+3 and 4, one chunk of 8 or 4 updates) counted by opcode. Divided by the element-updates a
+pass makes (block / (32 · warps) elements a thread, times the chunk's updates), that is the
 instruction cost of one element and one update, what bounds the kernels once K updates
 make them integer-bound (docs/performance.md): a static count, not a timing.
 
