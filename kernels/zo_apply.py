@@ -655,8 +655,12 @@ if triton is not None:
         shift, shift + 8, …), looked up. SHUFFLE: ``table`` is the chunk's entry of this
         thread's lane (lane L holds entry L mod 16) and one ``shfl.sync.idx`` fetches entry
         b from lane b; it reads only the index's low 5 bits, so bit 4 (the next nibble's
-        bit 0) picks lane b + 16, which holds the same entry. Else ``table`` points at the
-        16 entries in memory (Triton's interpreter runs no PTX)."""
+        bit 0) picks lane b + 16, which holds the same entry. To Triton the entries are
+        ordinary values: a layout conversion that moved them between lanes would break this
+        without a word (Triton 3.9's code for sm_90 has none for blocks 32 to 16384, and
+        those blocks gave the reference's bits on an H200; the CUDA tests, blocks 32 to
+        4096, would catch one). Else ``table`` points at the 16 entries in
+        memory (Triton's interpreter runs no PTX)."""
         index = word[None, :] >> shift
         if SHUFFLE:
             held = tl.broadcast_to(table[None, :], index.shape)
