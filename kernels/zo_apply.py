@@ -473,6 +473,17 @@ if triton is not None:
             tl.store(theta_ptr + at + 24, t6, mask=at + 24 < n)
             tl.store(theta_ptr + at + 28, t7, mask=at + 28 < n)
 
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _zero_tiles(WORDS: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Eight [4, WORDS] float32 tiles of +0.0: a group's sums, one a word tile."""
+        z = tl.zeros([4, WORDS], dtype=tl.float32)
+        return z, z, z, z, z, z, z, z
+
+    @triton.jit
+    def _minus_tiles(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, a4, a5, a6, a7):  # type: ignore[no-untyped-def]
+        """θ ← θ − acc for each of the eight word tiles (once a group)."""
+        return t0 - a0, t1 - a1, t2 - a2, t3 - a3, t4 - a4, t5 - a5, t6 - a6, t7 - a7
+
     @triton.jit
     def _signed(h, shift, c):  # type: ignore[no-untyped-def]
         """±c as float32: c's sign bit xor'ed with the bit of ``h`` that ``shift`` moves to
@@ -509,14 +520,7 @@ if triton is not None:
         index = word.to(tl.uint32)
         shift = (31 - quad).to(tl.uint32)[:, None]  # bit j of the word up to bit 31: 31 − j
         for g in range(num_groups):
-            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _zero_tiles(WORDS)
             for k in range(tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1)):
                 ka = tl.load(ka_ptr + k).to(tl.uint32, bitcast=True)
                 kb = tl.load(kb_ptr + k).to(tl.uint32, bitcast=True)
@@ -530,14 +534,9 @@ if triton is not None:
                 a5 += _signed(h, shift - 20, c)
                 a6 += _signed(h, shift - 24, c)
                 a7 += _signed(h, shift - 28, c)
-            t0 = t0 - a0
-            t1 = t1 - a1
-            t2 = t2 - a2
-            t3 = t3 - a3
-            t4 = t4 - a4
-            t5 = t5 - a5
-            t6 = t6 - a6
-            t7 = t7 - a7
+            t0, t1, t2, t3, t4, t5, t6, t7 = _minus_tiles(
+                t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, a4, a5, a6, a7
+            )
         _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
 
     @triton.jit  # type: ignore[untyped-decorator]
@@ -585,14 +584,7 @@ if triton is not None:
         index = word.to(tl.uint32)
         shift = (8 * quad).to(tl.uint32)[:, None]  # row m of a tile: byte m
         for g in range(num_groups):
-            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _zero_tiles(WORDS)
             for c in range(tl.load(chunks_ptr + g), tl.load(chunks_ptr + g + 1)):
                 k = c * 8
                 h0 = _word(index, ka_ptr, kb_ptr, k)
@@ -634,14 +626,9 @@ if triton is not None:
                 a5 += _part(table, h6, shift)
                 a6 += _part(table, h3, shift)
                 a7 += _part(table, h7, shift)
-            t0 = t0 - a0
-            t1 = t1 - a1
-            t2 = t2 - a2
-            t3 = t3 - a3
-            t4 = t4 - a4
-            t5 = t5 - a5
-            t6 = t6 - a6
-            t7 = t7 - a7
+            t0, t1, t2, t3, t4, t5, t6, t7 = _minus_tiles(
+                t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, a4, a5, a6, a7
+            )
         _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
 
     @triton.jit
@@ -704,14 +691,7 @@ if triton is not None:
         if SHUFFLE:
             entry = _lane(index) & 15
         for g in range(num_groups):
-            a0 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a1 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a2 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a3 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a4 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a5 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a6 = tl.zeros([4, WORDS], dtype=tl.float32)
-            a7 = tl.zeros([4, WORDS], dtype=tl.float32)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _zero_tiles(WORDS)
             for c in range(tl.load(chunks_ptr + g), tl.load(chunks_ptr + g + 1)):
                 k = c * 4
                 h0 = _word(index, ka_ptr, kb_ptr, k)
@@ -740,14 +720,9 @@ if triton is not None:
                 a5 += _nibble_part(table, h2, shift + 4, SHUFFLE)
                 a6 += _nibble_part(table, h3, shift, SHUFFLE)
                 a7 += _nibble_part(table, h3, shift + 4, SHUFFLE)
-            t0 = t0 - a0
-            t1 = t1 - a1
-            t2 = t2 - a2
-            t3 = t3 - a3
-            t4 = t4 - a4
-            t5 = t5 - a5
-            t6 = t6 - a6
-            t7 = t7 - a7
+            t0, t1, t2, t3, t4, t5, t6, t7 = _minus_tiles(
+                t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, a4, a5, a6, a7
+            )
         _store_word_tiles(theta_ptr, n, BLOCK, COALESCED, t0, t1, t2, t3, t4, t5, t6, t7)
 
 
