@@ -162,7 +162,8 @@ async def until(predicate: Callable[[], bool]) -> None:
 
 def summary(honest: list[Daemon], hostile: Daemon | None) -> dict[str, Any]:
     statuses = [d.training.status() if d.training else None for d in honest]
-    losses = [s["final_loss"] for s in statuses if s and s.get("final_loss") is not None]
+    # The final models' full validation (the whole split: training/validation.py).
+    losses = [s["full_val_loss"] for s in statuses if s and s.get("full_val_loss") is not None]
     paces = [60 * s["rounds"] / s["train_wall_s"] for s in statuses if s and s.get("train_wall_s")]
     return {
         "finished": all(s is not None and s["finished"] for s in statuses),

@@ -51,9 +51,9 @@ def simulate(variant: str, seed: int, args: argparse.Namespace, report: Path) ->
         *(["--inner-steps", str(args.inner_steps)] if args.inner_steps else []),
     ]
     data = run_simulate(flags, report, timeout_s=args.timeout_s)
-    nodes = [n for n in data["nodes"] if n.get("final_loss") is not None]
+    nodes = [n for n in data["nodes"] if n.get("full_val_loss") is not None]
     return {
-        "final_loss": statistics.mean(n["final_loss"] for n in nodes),
+        "final_loss": statistics.mean(n["full_val_loss"] for n in nodes),  # the whole validation split
         "bytes_per_round": statistics.mean(n["bytes_sent"] / max(1, n["rounds"]) for n in nodes),
         "wire_bytes_per_round": statistics.mean(n["wire_bytes_sent"] / max(1, n["rounds"]) for n in nodes),
         "train_wall_s": statistics.mean(n["train_wall_s"] for n in nodes),

@@ -91,7 +91,7 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     tokens_per_round = args.inner_steps * 8 * 128  # batch_size 8, context 128 (tiny presets)
     loads = [n["expert_load"] for n in nodes if n.get("expert_load")]
     out: dict[str, Any] = {
-        "final_loss": statistics.mean(n["final_loss"] for n in nodes),
+        "final_loss": statistics.mean(n["full_val_loss"] for n in nodes),  # the whole validation split
         "memory_bytes": statistics.mean(_memory_before_kill(n) for n in nodes),
         "memory_bytes_end": statistics.mean(_memory(n) for n in nodes),
         "bytes_per_round": statistics.mean(

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
     @torch.no_grad()
     def val_loss() -> float:
-        batches = shards[0].val_batches(batch_size=args.batch_size, max_batches=8)
+        batches = shards[0].val_batches(batch_size=args.batch_size, num_rows=8 * args.batch_size)
         return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
 
     start = val_loss()

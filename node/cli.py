@@ -23,7 +23,7 @@ from node.launch import (
     run_daemon,
     with_exit_codes,
 )
-from node.simulate import NAT_SETTLE_S, SimulationOptions, simulate
+from node.simulate import DEFAULT_ROUNDS, NAT_SETTLE_S, SimulationOptions, simulate
 from training import settings
 
 
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="noloco (default); diloco or local (baselines); zo (zeroth-order); spes (sparse expert sync, a "
         "mixture of experts); none (network only)",
     )
-    sim.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
+    sim.add_argument(
+        "--rounds", type=int, default=DEFAULT_ROUNDS, help=f"outer rounds to train (default {DEFAULT_ROUNDS})"
+    )
     sim.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per round (default 10)")
     sim.add_argument(
         "--model",

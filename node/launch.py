@@ -94,7 +94,9 @@ def add_node_flags(parser: argparse.ArgumentParser, *, with_bootstrap: bool) -> 
     parser.add_argument("--peer-ttl-s", type=float, metavar="S", help="a peer silent this long is gone")
     # What a new run trains (--new-run); a joiner adopts the run's settings instead.
     parser.add_argument("--algorithm", choices=settings.ALGORITHMS, help="a new run trains with this algorithm")
-    parser.add_argument("--rounds", type=int, help="outer rounds to train")
+    parser.add_argument(
+        "--rounds", type=int, metavar="N", help="a run started here trains N outer rounds (default 0: until stopped)"
+    )
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round")
     parser.add_argument("--model", choices=settings.MODEL_PRESETS, help="model preset (a new run trains it)")
     parser.add_argument("--compression", choices=settings.COMPRESSIONS, help="outer payload encoding (default none)")

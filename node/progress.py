@@ -59,9 +59,13 @@ def megabytes(nbytes: object, *, missing: str = "?") -> str:
 def training_lines(training: dict[str, Any]) -> list[str]:
     """A node's training in two lines: where it is and how fast, then its exchanges."""
     device = training.get("device") or "a worker still starting"
-    head = f"{training['algorithm']} on {device}: round {training['rounds']} of {training['rounds_total']}"
+    total = training.get("rounds_total")
+    budget = f"of {total}" if total else "(until stopped)"
+    head = f"{training['algorithm']} on {device}: round {training['rounds']} {budget}"
     if training.get("final_loss") is not None:
-        head += f", loss {training['final_loss']:.3f}"
+        head += f", validation loss {training['final_loss']:.3f}"
+    if training.get("full_val_loss") is not None:
+        head += f" (full validation {training['full_val_loss']:.3f})"
     if training.get("tokens_per_s"):
         head += f", {training['tokens_per_s']:,.0f} tokens/s"
     if training.get("finished"):

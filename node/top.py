@@ -4,10 +4,12 @@ Each data dir given (default: the node's own) is a running daemon's, or a folder
 (``simulate --keep-data`` prints one: its nodes' data dirs are its sub-folders). Once a
 second every daemon is asked for its status over its control socket; a row per node:
 
-    node  run  round  loss  tokens/s  left  partner  peers  reach  device  sent  received
+    node  run  round  val loss  tokens/s  left  partner  peers  reach  device  sent  received
 
-A node that does not answer is shown as such (it stopped, or has not started). On a
-terminal the table redraws in place until Ctrl-C; ``--once`` (and a pipe) print it once,
+"val loss" is the last round's loss on the run's curve blocks (training/validation.py);
+"round" is N/budget, or N/∞ in a run until its nodes stop. A node that does not answer
+is shown as such (it stopped, or has not started). On a terminal the table redraws in
+place until Ctrl-C; ``--once`` (and a pipe) print it once,
 PRINT_WIDTH wide (a pipe's 80 columns cut every cell). A running ``simulate`` draws its
 own table; ``top`` shows its nodes from another terminal when it keeps their data dirs.
 """
@@ -32,7 +34,7 @@ COLUMNS = (
     "node",
     "run",
     "round",
-    "loss",
+    "val loss",
     "tokens/s",
     "left",
     "partner",
@@ -77,7 +79,7 @@ def row(name: str, status: dict[str, Any] | None) -> list[str]:
     return [
         node,
         run,
-        f"{training.get('rounds', 0)}/{training.get('rounds_total', '?')}",
+        f"{training.get('rounds', 0)}/{training.get('rounds_total') or '∞'}",
         f"{loss:.3f}" if isinstance(loss, float) else "-",
         f"{tokens:,.0f}" if tokens else "-",
         "done" if training.get("finished") else (duration(eta) if eta is not None else "-"),

@@ -26,7 +26,7 @@ from protocol.net.traffic import TRAFFIC
 from protocol.ratelimit import RateLimit
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, RunState
-from training import corpus, settings, tokenizer
+from training import corpus, settings, tokenizer, validation
 from training.files import write_atomic
 from training.settings import RunSettings
 from training.worker_config import WorkerConfig
@@ -221,7 +221,7 @@ class TrainingService:
         if self.algorithm is None:
             return None
         m = self.metrics
-        total = self.algorithm.ctx.run.rounds
+        total = self.algorithm.ctx.run.rounds  # 0: until the nodes stop (no end, no time left)
         trained_here = len(m.loss_curve)  # rounds this node trained (from where it started)
         per_round_s = m.train_wall_s / trained_here if trained_here and m.train_wall_s > 0 else None
         return {
@@ -229,13 +229,17 @@ class TrainingService:
             "device": self.algorithm.supervisor.device,
             "data_sha256": self.algorithm.ctx.run.data_sha256 or None,
             "rounds": m.rounds,
-            "rounds_total": total,
+            "rounds_total": total or None,
             "tokens": m.tokens,
             "tokens_per_s": round(m.tokens / m.train_wall_s, 1) if m.tokens and m.train_wall_s > 0 else None,
-            "eta_s": None if m.finished or per_round_s is None else round(max(0, total - m.rounds) * per_round_s, 1),
+            "eta_s": None
+            if m.finished or per_round_s is None or not total
+            else round(max(0, total - m.rounds) * per_round_s, 1),
             "rounds_with_partner": m.rounds_with_partner,
             "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
             "loss_curve": m.loss_curve,
+            "val_rows": validation.curve_rows(self.algorithm.ctx.run),
+            "full_val_loss": m.full_val_loss,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
             "eval_s": round(m.eval_s, 3),

@@ -1,6 +1,7 @@
 """The commands as a user runs them: separate processes, real signals, no orphans."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -158,12 +159,17 @@ async def test_simulate_converges_and_writes_the_report(short_tmp: Path, env: di
 async def test_simulate_trains_with_noloco_and_reports_it(short_tmp: Path, env: dict[str, str]) -> None:
     plot_path = short_tmp / "loss.png"
     args = ("--nodes", "3", "--rounds", "3", "--inner-steps", "5", "--model", "micro", "--plot", str(plot_path))
-    report, _ = await simulate(short_tmp, env, *args)  # noloco is the default
+    report, output = await simulate(short_tmp, env, *args)  # noloco is the default
     assert report["algorithm"] == "noloco" and report["stop_reason"] == "trained"
     for node in report["nodes"]:
         assert node["rounds"] == 3 and len(node["loss_curve"]) == 3
-        assert node["final_loss"] < node["loss_curve"][0][1]  # it learned
+        assert node["final_loss"] == node["loss_curve"][-1][1] < node["loss_curve"][0][1]  # it learned
+        # Every point on the same 3 blocks (0.03 of a round's 3 · 5 · 8 forwards: 3.6), the
+        # final model on the whole split besides.
+        assert node["val_rows"] == 3 and math.isfinite(node["full_val_loss"])
         assert node["compute_s"] > 0 and node["sync_wait_s"] >= 0
+    assert "noloco: loss on 3 validation blocks (the curve)" in output
+    assert "full validation of the final models (the whole split)" in output
     # With 3 nodes one may be left out of a round; pairs still form and move bytes both ways.
     assert sum(n["rounds_with_partner"] for n in report["nodes"]) >= 2
     assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"]) > 0
@@ -195,10 +201,14 @@ async def test_simulate_diloco_averages_with_everyone(short_tmp: Path, env: dict
 
 async def test_two_nodes_pair_every_round_with_int8_payloads(short_tmp: Path, env: dict[str, str]) -> None:
     args = ("--nodes", "2", "--rounds", "3", "--inner-steps", "5", "--model", "micro", "--compression", "int8")
-    report, _ = await simulate(short_tmp, env, *args)
+    report, output = await simulate(short_tmp, env, *args)
+    seen = [
+        {k: n.get(k) for k in ("rounds", "rounds_with_partner", "payloads_refused", "start_round")}
+        for n in report["nodes"]
+    ]
     for node in report["nodes"]:
         # Every payload was accepted (a refused one means a round alone), and learning went on.
-        assert node["rounds"] == node["rounds_with_partner"] == 3
+        assert node["rounds"] == node["rounds_with_partner"] == 3, f"{seen}\n{output[-3000:]}"
         assert node["final_loss"] < node["loss_curve"][0][1]
     # micro: 2 × 120,576 values as int8 plus a scale per 256 → ≈ 0.25 MB per payload, not ≈ 0.96 MB.
     assert all(0 < n["bytes_sent"] < 3 * 300_000 for n in report["nodes"])
@@ -209,10 +219,13 @@ async def test_a_node_killed_mid_run_does_not_stop_the_others(
     short_tmp: Path, env: dict[str, str], compression: str
 ) -> None:
     args = ("--nodes", "3", "--rounds", "4", "--inner-steps", "5", "--model", "micro", "--kill-after-s", "1")
-    report, _ = await simulate(short_tmp, env, *args, "--compression", compression)
+    report, output = await simulate(short_tmp, env, *args, "--compression", compression)
     victim, *survivors = report["nodes"][::-1]
     assert victim["killed"] is True and victim["exit_code"] == -9
     assert all(n["rounds"] == 4 and not n["killed"] and n["exit_code"] == 0 for n in survivors)
+    (kill,) = report["killed"]
+    assert kill["name"] == victim["name"] == "n2" and kill["peer_id"] == victim["peer_id"] and kill["after_s"] >= 1
+    assert f"2 nodes converged; n2 ({victim['peer_id'][-8:]}) killed at round {kill['rounds']}, " in output
 
 
 async def test_interrupted_simulation_leaves_no_process(env: dict[str, str]) -> None:

@@ -462,10 +462,11 @@ def test_every_round_from_the_start_has_a_point_or_is_skipped_or_jumped_across_r
 
     from node.algorithms.base import TrainingMetrics
     from node.algorithms.rounds import PayloadRounds
+    from training.settings import RunSettings
 
     rounds = PayloadRounds.__new__(PayloadRounds)
     metrics = TrainingMetrics()
-    rounds.ctx = SimpleNamespace(metrics=metrics)  # type: ignore[assignment]
+    rounds.ctx = SimpleNamespace(metrics=metrics, run=RunSettings(rounds=100))  # type: ignore[assignment]
     rounds.start_round, rounds._curve_rounds, rounds._skips, rounds._jumps = 0, [], [], []
 
     def trained(r: int, skipped: int = 0, *, outer: bool = True) -> None:
@@ -514,6 +515,12 @@ def test_every_round_from_the_start_has_a_point_or_is_skipped_or_jumped_across_r
     rounds._restart_at(2)  # below where it began (a refused state: from an older one)
     assert rounds.start_round == 2 and not metrics.loss_curve
     holds()
+    # The final model's full validation holds only while the run's last round is done.
+    metrics.full_val_loss = 2.5
+    rounds._restart_at(100)  # a restarted worker of a finished run: nothing to train again
+    assert metrics.full_val_loss == 2.5
+    rounds._restart_at(99)
+    assert metrics.full_val_loss is None
 
 
 def test_a_resync_takes_a_state_from_peers_it_refused_only_where_they_are_all_it_has_and_more_than_one() -> None:

@@ -88,7 +88,8 @@ def test_a_manifest_without_a_newer_setting_means_what_its_release_did() -> None
     ("data", "named"),
     [
         ({"algorithm": "allreduce"}, "algorithm"),
-        ({"rounds": 0}, "rounds"),
+        ({"rounds": -1}, "rounds"),
+        ({"rounds": (1 << 30) + 1}, "rounds"),
         ({"rounds": 1.5}, "rounds"),
         ({"rounds": True}, "rounds"),
         ({"inner": {"lr": float("nan")}}, "inner.lr"),
@@ -131,6 +132,21 @@ def test_toml_and_flags_reach_the_run_settings(tmp_path: Path) -> None:
     for bad, named in (("outer.beta", "NAME=VALUE"), ("outer.bta=1", "outer.bta"), ("rounds=many", "rounds")):
         with pytest.raises(ConfigError, match=named):
             launch.node_config(cli.build_parser().parse_args(["node", "--set", bad]))
+
+
+def test_a_run_started_with_node_trains_until_stopped_unless_given_a_budget() -> None:
+    """A node that starts a run cannot know how long its friends need: no budget unless it
+    is given one (every trainer stops before ``round_limit``); simulate keeps a short one."""
+    until_stopped = launch.node_config(cli.build_parser().parse_args(["node", "--new-run", "duo"])).run.settings
+    assert until_stopped.rounds == 0 and until_stopped.round_limit == settings.MAX_ROUNDS
+    budget = launch.node_config(cli.build_parser().parse_args(["node", "--new-run", "duo", "--rounds", "30"]))
+    assert budget.run.settings.rounds == budget.run.settings.round_limit == 30
+    assert settings.decode(until_stopped.encode()) == until_stopped  # a manifest says so to every joiner
+    simulated = cli._simulated_settings(cli.build_parser().parse_args(["simulate"]))
+    assert simulated.rounds == simulated.round_limit == 10
+    no_budget = cli._simulated_settings(cli.build_parser().parse_args(["simulate", "--rounds", "0"]))
+    with pytest.raises(ConfigError, match="--rounds"):
+        SimulationOptions(settings=no_budget)
 
 
 def test_simulate_hands_every_setting_to_the_run_creator() -> None:

@@ -242,6 +242,9 @@ def test_the_merge_rate_falls_to_zero_over_the_configured_fraction() -> None:
     assert merge_rate(config, 9, 50) == 0.0
     assert merge_rate(config, 30, 50) == 0.0
     assert merge_rate(SpesConfig(merge_alpha=0.0), 0, 50) == 0.0
+    # A run until its nodes stop (rounds 0) merges as one of 100 rounds would: over 20.
+    assert merge_rate(config, 0, 0) == pytest.approx(0.05 * (1 - 1 / 20))
+    assert merge_rate(config, 18, 0) > 0.0 == merge_rate(config, 19, 0)
 
 
 def test_state_round_trips_experts_and_the_owned_experts_moments() -> None:

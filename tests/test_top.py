@@ -37,7 +37,12 @@ TRAINING = {
 def test_a_row_says_where_a_node_is_and_a_silent_one_says_so() -> None:
     cells = dict(zip(COLUMNS, row("n0", TRAINING), strict=True))
     assert cells["node"] == "JnM2bvKx"  # the tail of the peer id, as in the logs
-    assert (cells["round"], cells["loss"], cells["tokens/s"], cells["left"]) == ("4/20", "2.250", "1,234", "2 min 05 s")
+    assert (cells["round"], cells["val loss"], cells["tokens/s"], cells["left"]) == (
+        "4/20",
+        "2.250",
+        "1,234",
+        "2 min 05 s",
+    )
     assert (cells["partner"], cells["peers"], cells["device"], cells["sent"]) == ("3/4", "3", "cpu", "12.0 MB")
     assert row("n1", None)[:2] == ["n1", "(not answering)"]
     idle = dict(zip(COLUMNS, row("n2", {**TRAINING, "training": None, "not_training": "other data"}), strict=True))
@@ -46,6 +51,19 @@ def test_a_row_says_where_a_node_is_and_a_silent_one_says_so() -> None:
     console.print(table([row("n0", TRAINING), row("n1", None)]))
     text = console.export_text()
     assert all(column in text for column in COLUMNS) and "(not answering)" in text
+
+
+def test_a_run_until_stopped_shows_no_end_and_the_loss_says_which_it_is() -> None:
+    from node.progress import training_lines
+
+    open_ended = {**TRAINING["training"], "rounds_total": None, "eta_s": None, "full_val_loss": None}
+    cells = dict(zip(COLUMNS, row("n0", {**TRAINING, "training": open_ended}), strict=True))
+    assert (cells["round"], cells["left"]) == ("4/∞", "-")
+    head = "noloco on cpu: round 4 (until stopped), validation loss 2.250, 1,234 tokens/s"
+    assert training_lines(open_ended)[0] == head
+    done = {**TRAINING["training"], "finished": True, "full_val_loss": 2.125}
+    head = "noloco on cpu: round 4 of 20, validation loss 2.250 (full validation 2.125), 1,234 tokens/s, finished"
+    assert training_lines(done)[0] == head
 
 
 def test_a_folder_of_nodes_is_expanded_to_their_data_dirs(tmp_path: Path) -> None:

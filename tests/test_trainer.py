@@ -27,23 +27,23 @@ def trainer(node_index: int, num_nodes: int = 2, *, steps: int = 10, compression
 
 def test_local_training_lowers_validation_loss() -> None:
     t = trainer(0, 1)
-    before = t.val_loss()
+    before = t.val_loss(64)
     for _ in range(4):
         t.inner_steps()
         t.apply_local()
-    assert t.val_loss() < before - 1.0
+    assert t.val_loss(64) < before - 1.0
 
 
 @pytest.mark.parametrize("compression", encodings.NAMES)
 def test_noloco_rounds_between_two_trainers_learn_and_keep_weights_finite(compression: str) -> None:
     a, b = trainer(0, compression=compression), trainer(1, compression=compression)
-    before = a.val_loss()
+    before = a.val_loss(64)
     for _ in range(4):
         a.inner_steps()
         b.inner_steps()
         pa, pb = a.outer_payload(), b.outer_payload()
         assert a.apply_noloco(pb) and b.apply_noloco(pa)
-    assert a.val_loss() < before - 1.0
+    assert a.val_loss(64) < before - 1.0
     # Two nodes that always pair hold the same slow weights (heavy-ball DiLoCo); compressed
     # too, since both sides average the same dequantized values.
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
@@ -150,14 +150,14 @@ def test_on_cuda_payloads_leave_as_cpu_bytes_and_pairs_stay_identical(compressio
         )
 
     a, b = on_cuda(0), on_cuda(1)
-    before = a.val_loss()
+    before = a.val_loss(64)
     for _ in range(3):
         a.inner_steps()
         b.inner_steps()
         pa, pb = a.outer_payload(), b.outer_payload()
         assert pa.device.type == "cpu" and pa.dtype == torch.uint8 and pa.numel() == a.payload_nbytes
         assert a.apply_noloco(pb) and b.apply_noloco(pa)
-    assert a.val_loss() < before
+    assert a.val_loss(64) < before
     assert all(torch.equal(x, y) for x, y in zip(a.phi, b.phi, strict=True))
 
 
@@ -360,27 +360,53 @@ def test_the_local_baseline_overlapped_keeps_its_weights_as_they_are() -> None:
     assert all(torch.equal(x, y) for x, y in zip(t.model.parameters(), moved, strict=True))
 
 
-def test_validation_between_the_ends_costs_a_row_per_30_trained_and_weighs_each_row_once() -> None:
-    """The loss curve's ends take 8 batches; the rounds between, one block per 30 trained
-    (at least one), so validation costs ~1% of a round. A short last batch weighs by its
-    rows: the loss of 10 blocks in batches of 8 and 2 is their mean, one batch or two."""
-    from training.algorithms.rounds import VAL_BATCHES, val_rows
+def test_every_point_of_a_curve_is_the_same_blocks_sized_from_the_rounds_compute() -> None:
+    """A run's curve is measured on curve_rows blocks whatever the round: EVAL_SHARE of a
+    round's forwards (F·H·B: F = 3 for a training step, 2 for ZO's SPSA), at least one,
+    FULL_MAX_ROWS at most."""
     from training.settings import RunSettings
-    from training.worker_config import WorkerConfig
+    from training.validation import EVAL_SHARE, FULL_MAX_ROWS, curve_rows
 
-    def rows(round_index: int, steps: int) -> int:
-        run = RunSettings(rounds=30, inner=InnerConfig(steps_per_round=steps, batch_size=8))
-        return val_rows(round_index, WorkerConfig(run=run))
+    def rows(algorithm: str, steps: int, batch_size: int = 8) -> int:
+        run = RunSettings(algorithm=algorithm, inner=InnerConfig(steps_per_round=steps, batch_size=batch_size))
+        return curve_rows(run)
 
-    assert rows(0, 10) == rows(29, 10) == VAL_BATCHES * 8
-    assert [rows(5, steps) for steps in (1, 10, 50, 300, 3000)] == [1, 2, 13, 64, 64]
+    assert [rows("noloco", h) for h in (1, 10, 50, 300, 3000)] == [1, 7, 36, 216, FULL_MAX_ROWS]
+    assert [rows("zo", h) for h in (1, 10, 50)] == [1, 4, 24]
+    for algorithm, forwards in (("noloco", 3), ("zo", 2)):
+        for steps in (10, 50, 100):
+            assert rows(algorithm, steps) <= EVAL_SHARE * forwards * steps * 8 < rows(algorithm, steps) + 1
+
+
+def test_validation_blocks_spread_over_the_split_and_are_every_nodes_and_every_calls() -> None:
+    """The blocks a curve is measured on are spread over the whole split (its first blocks
+    are one stretch of text), the same on every node's shard and at every call."""
+    from training.validation import spread
+
+    assert spread(181, 9) == [10, 30, 50, 70, 90, 110, 130, 150, 170]
+    assert spread(5, 9) == spread(5, 5) == [0, 1, 2, 3, 4]
+    for num_blocks, num_rows in ((181, 1), (181, 180), (1000, 7), (7, 6)):
+        picked = spread(num_blocks, num_rows)
+        assert len(set(picked)) == num_rows and all(0 <= r < num_blocks for r in picked) and picked == sorted(picked)
+    a, b = trainer(0).shard, trainer(1).shard
+    assert not torch.equal(a.train[:10], b.train[:10])  # other training blocks, the same validation ones
+    first = a.val_batches(batch_size=8, num_rows=10)
+    for again in (a.val_batches(batch_size=8, num_rows=10), b.val_batches(batch_size=8, num_rows=10)):
+        assert all(torch.equal(x, y) for (x, _), (y, _) in zip(first, again, strict=True))
+    blocks = torch.cat([x for x, _ in first])
+    assert torch.equal(blocks, a.val[spread(len(a.val), 10), :-1])
+
+
+def test_a_validation_loss_weighs_each_block_once_whatever_its_batch() -> None:
+    """A short last batch weighs by its blocks: the loss of 10 blocks in batches of 8 and 2
+    is their mean, one batch or two."""
     t = trainer(0)
-    batches = t.shard.val_batches(batch_size=8, max_batches=VAL_BATCHES, max_rows=10)
+    batches = t.shard.val_batches(batch_size=8, num_rows=10)
     assert [len(x) for x, _ in batches] == [8, 2]
     whole = trainer(0)
     whole.inner = InnerConfig(steps_per_round=10, lr=3e-3, batch_size=10)
-    one_batch = whole.val_loss(max_batches=1)
-    two_batches = t.val_loss(max_batches=VAL_BATCHES, max_rows=10)
+    one_batch = whole.val_loss(10)
+    two_batches = t.val_loss(10)
     # The same 10 blocks' losses, summed in another order, each through matmuls that may
     # block their float32 sums of embed_dim products differently for another batch shape:
     # a few roundings of embed_dim terms apart (≲ embed_dim · 2⁻²⁴ each, a few times over).

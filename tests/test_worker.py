@@ -1,5 +1,6 @@
 """The worker as a real process, driven over its control pipe with shared-memory payloads."""
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ async def test_rounds_report_falling_loss_and_fill_the_outbox() -> None:
         assert outer.pop("save_wait_s") == 0.0  # no checkpoint here
         # Steps of the next round taken before it: as many as our word took (at most 2 of 5).
         assert outer.pop("overlapped") in (range(3) if round_index < 2 else [0])
+        if round_index == 2:  # the run's last: its result on the whole validation split, once
+            full, eval_s = outer.pop("full_val_loss"), outer.pop("eval_s")
+            assert isinstance(full, float) and math.isfinite(full) and isinstance(eval_s, float) and eval_s > 0
         expected = {"t": "outer_done", "v": 1, "round": round_index, "used_peer": True}
         assert outer == {**expected, "rejected": None, "drifted": False, "skipped": 0}
     assert losses[-1] < losses[0]
@@ -249,6 +253,7 @@ async def test_diloco_accumulates_checked_payloads_before_its_outer_step() -> No
     assert done.pop("outer_s") > 0  # the two accumulated payloads' checks and the outer step
     assert done.pop("save_wait_s") == 0.0  # no checkpoint here
     assert done.pop("overlapped") == 0  # the run's last round: nothing follows it
+    assert math.isfinite(done.pop("full_val_loss")) and done.pop("eval_s") > 0  # and its full validation
     assert done == expected
     await worker.send("stop")
     with trio.fail_after(TIMEOUT_S):

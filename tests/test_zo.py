@@ -69,13 +69,13 @@ def test_zo_fine_tuning_lowers_the_loss() -> None:
     t.inner_steps()  # a briefly pretrained model, as ZO fine-tuning starts from one
     params = list(t.model.parameters())
     config = ZoConfig(lr=3e-3)
-    before = t.val_loss()
+    before = t.val_loss(64)
     for step in range(300):
         x, y = t.shard.batch(batch_size=16, seed=1, step=step)
         seed = zo.step_seed(1, 0, step)
         g = zo.spsa(params, lambda x=x, y=y: t.model.loss(x, y).item(), seed, config.eps, signs=config.signs)  # type: ignore[misc]
         zo.apply_updates(params, [[(seed, zo.encode_g(g, config.g_max))]], config)
-    assert t.val_loss() < before - 0.005
+    assert t.val_loss(64) < before - 0.005
 
 
 def test_the_default_step_size_scales_with_the_model() -> None:

@@ -3,7 +3,8 @@
 - The text: the embedded corpus or the user's files (training/corpus.py, torch-free).
 - Tokens are bytes (vocabulary 256), or the run's BPE (training/tokenizer.py).
 - The stream is cut into blocks of ``context_len + 1`` tokens; the last ``val_fraction``
-  of blocks is the validation set, shared by all nodes; the rest is dealt round-robin,
+  of blocks is the validation split, shared by all nodes (which of its blocks a loss is
+  measured on: training/validation.py); the rest is dealt round-robin,
   block b to node ``b % num_nodes``, so node shards are disjoint and deterministic.
 - Batches are drawn with a seeded generator (node index, step): reproducible.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from training import validation
 from training.tokenizer import Codec
 
 VOCAB_SIZE = 256
@@ -46,13 +48,12 @@ class Shard:
         blocks = self.train[rows]
         return blocks[:, :-1], blocks[:, 1:]
 
-    def val_batches(
-        self, *, batch_size: int, max_batches: int, max_rows: int | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first validation blocks (the same ones each time) in batches: at most
-        ``max_batches`` of ``batch_size``, and at most ``max_rows`` blocks in all."""
-        rows = batch_size * max_batches if max_rows is None else min(batch_size * max_batches, max(1, max_rows))
-        blocks = self.val[:rows]
+    def val_batches(self, *, batch_size: int, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``num_rows`` validation blocks spread evenly over the split (all of them if it
+        has no more), the same ones on every node and at every call, in batches of
+        ``batch_size`` (training/validation.py says how many a run measures)."""
+        rows = validation.spread(len(self.val), max(1, num_rows))
+        blocks = self.val[rows]
         starts = range(0, len(blocks), batch_size)
         return [(blocks[i : i + batch_size, :-1], blocks[i : i + batch_size, 1:]) for i in starts]
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from training import checkpoint, corpus, data
+from training import checkpoint, corpus, data, validation
 from training.finite import all_finite
 from training.models import GPT, GPTConfig, configured
 from training.tokenizer import Codec
@@ -55,6 +55,9 @@ class Trained:
     data_path: str | None = None
     """The text the node trained on (None: the embedded corpus): its validation split
     measures the model."""
+    val_rows: int | None = None
+    """How many validation blocks the run's loss curve is measured on (the checkpoint's
+    ``val_rows``; None in one written before it said)."""
 
 
 def load_trained(path: Path) -> Trained:
@@ -87,11 +90,13 @@ def load_trained(path: Path) -> Trained:
     model.eval()
     round_index = meta.get("round")
     data_path = fingerprint.get("data_path")
+    val_rows = meta.get("val_rows")
     return Trained(
         model,
         name,
         round_index if isinstance(round_index, int) else 0,
         data_path if isinstance(data_path, str) else None,
+        val_rows if type(val_rows) is int and 0 < val_rows <= validation.FULL_MAX_ROWS else None,
     )
 
 
@@ -114,29 +119,34 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def validation_batches(
-    data_path: str | None, codec: Codec, context_len: int, *, batch_size: int = 8, max_batches: int = 8
+    data_path: str | None, codec: Codec, context_len: int, num_rows: int, *, batch_size: int = 8
 ) -> Batches:
-    """The run's validation split (the last blocks of its text, every node's), as batches."""
+    """``num_rows`` blocks of the run's validation split (the last blocks of its text, every
+    node's), the ones its workers measure (training/validation.py), as batches."""
     text = corpus.read_corpus(None if data_path is None else Path(data_path))
     shard = data.make_shard(data.tokens_of(text, codec), context_len=context_len, node_index=0, num_nodes=1)
-    return shard.val_batches(batch_size=batch_size, max_batches=max_batches)
+    return shard.val_batches(batch_size=batch_size, num_rows=num_rows)
 
 
 @torch.no_grad()
 def val_loss(model: GPT, batches: Batches) -> float:
+    """The mean loss over the blocks of ``batches``, each block weighing alike."""
     model.eval()
-    return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
+    return sum(float(model.loss(x, y)) * len(x) for x, y in batches) / sum(len(x) for x, _ in batches)
 
 
 def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> tuple[Trained, list[Member], float]:
     """The mean of NoLoCo replicas' weights (the swarm's model), how each replica fared on
-    the validation split, and the mean's loss there. A replica that is not finite, or whose
-    loss is more than ``MAX_LOSS_OVER_MEDIAN`` times the median, is left out (said in its
-    ``Member``). The text is read and tokenized once for all of them."""
+    the validation blocks of the run's loss curve (the whole split, ``FULL_MAX_ROWS`` at
+    most, for a checkpoint that does not say how many), and the mean's loss there. A
+    replica that is not finite, or whose loss is more than ``MAX_LOSS_OVER_MEDIAN`` times
+    the median, is left out (said in its ``Member``). The text is read and tokenized once
+    for all of them."""
     if not replicas:
         raise ExportError("no replica to average")
     reference = replicas[0][1]
-    batches = validation_batches(reference.data_path, codec or Codec(), reference.model.config.context_len)
+    num_rows = reference.val_rows or validation.FULL_MAX_ROWS
+    batches = validation_batches(reference.data_path, codec or Codec(), reference.model.config.context_len, num_rows)
     losses = []
     for name, trained in replicas:
         if [p.shape for p in trained.model.parameters()] != [p.shape for p in reference.model.parameters()]:
@@ -156,7 +166,8 @@ def average(replicas: list[tuple[str, Trained]], codec: Codec | None = None) -> 
             param.copy_(torch.stack([params[k] for params in each]).mean(dim=0))
     mean.eval()
     rounds = max(t.round for t in used)
-    return Trained(mean, reference.model_name, rounds, reference.data_path), members, val_loss(mean, batches)
+    averaged = Trained(mean, reference.model_name, rounds, reference.data_path, reference.val_rows)
+    return averaged, members, val_loss(mean, batches)
 
 
 def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
     {t: "outbox_free", round}    ──▶ (nobody reads the outbox now: last round's payload,
                                      which a peer behind us may pull, can be overwritten)
                                  ◀── {t: "round_done", round, train_loss, val_loss, compute_s,
-                                     eval_s, memory, expert_load} (the outbox now holds φ then Δ,
+                                     eval_s, memory, expert_load} (val_loss: on the run's curve
+                                     blocks, training/validation.py; the outbox now holds φ then Δ,
                                      encoded as in training/trainer.py; memory:
                                      Trainer.memory(); expert_load: a MoE's routing shares)
     {t: "outer_go", round, peer, steps, skip} ──▶ (peer: the inbox holds a partner's
@@ -21,7 +22,8 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      than H while peers are ahead; skip: rounds to leave
                                      out, the next round that much later, NoLoCo)
                                  ◀── {t: "outer_done", round, used_peer, rejected, drifted,
-                                     wait_s, outer_s, save_wait_s, overlapped, skipped}
+                                     wait_s, outer_s, save_wait_s, overlapped, skipped,
+                                     and in the run's last round full_val_loss, eval_s}
                                      (rejected: why the partner's payload was refused, or
                                      None: the daemon penalizes a partner whose payload was,
                                      with a ban unless drifted: not far past the bounds;
@@ -29,7 +31,8 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
                                      outer_s: its outer step, the payload's check and the
                                      checkpoint's staging; save_wait_s: of outer_s, the
                                      run's last round's wait for its checkpoint write (0
-                                     before it); eval_s: its validation.
+                                     before it); full_val_loss: φ now on the whole validation
+                                     split, measured after outer_s in eval_s.
                                      With outer.overlap the worker takes the next round's
                                      steps until they come (at most its share of the round):
                                      overlapped says how many; its next inner_done comes
@@ -73,7 +76,7 @@ Protocol flow (the worker's stdin and stdout, length-prefixed msgpack maps {t, v
     {t: "zo_go", round, seeds}   ──▶ (one update per seed, all at this round's weights)
                                  ◀── {t: "zo_step", round, g_codes, val_loss, compute_s}
     {t: "zo_finish"}             ──▶
-                                 ◀── {t: "zo_done", param_hash, val_loss}
+                                 ◀── {t: "zo_done", param_hash, val_loss, full_val_loss}
     {t: "zo_save", path, round}  ──▶ (write the weights as a checkpoint file)
                                  ◀── {t: "zo_saved", param_hash, save_error}
     {t: "zo_load", path, param_hash} ──▶ (adopt a fetched checkpoint if it hashes right)

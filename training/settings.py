@@ -38,6 +38,9 @@ MOE_PRESETS = ("tiny-moe", "micro-moe", "gpt-125m-moe")
 COMPRESSIONS = encodings.NAMES
 # Far above any settings blob (a few hundred bytes): bounds what a manifest can make us decode.
 MAX_ENCODED_NBYTES = 4096
+MAX_ROUNDS = 1 << 30
+"""The largest budget of rounds, and the round a run without one (``rounds`` 0) stops
+before: past any run's life (2^30 rounds of one second are 34 years)."""
 
 
 class SettingsError(ValueError):
@@ -156,7 +159,8 @@ class SpesConfig:
     """α_0 of expert merging: an owned expert moves this far toward the mean of its most
     similar peers each round, e ← e + α_t·mean_k(e_k − e); 0 turns merging off."""
     merge_fraction: float = 0.2
-    """α_t falls linearly from merge_alpha to 0 over this fraction of the run's rounds."""
+    """α_t falls linearly from merge_alpha to 0 over this fraction of the run's rounds (of
+    100 rounds in a run until its nodes stop: training/spes.py)."""
     merge_k: int = 2
     """How many of the most similar experts (cosine of their first-layer weights) an expert merges with."""
     lapse_rounds: int = 2
@@ -188,8 +192,10 @@ class RunSettings:
     (sparse expert sync: a mixture-of-experts model, each node training its own experts)."""
     model: str = "tiny"
     """Model preset (training/models.py)."""
-    rounds: int = 20
-    """Outer rounds to train, then the workers stop (the nodes stay on the network)."""
+    rounds: int = 0
+    """Outer rounds to train, then the workers stop (the nodes stay on the network); 0
+    (the default): no budget, the run trains until its nodes stop. ``simulate`` sets its
+    own short budget."""
     compression: str = "none"
     """Outer payload encoding: none (float32), int8 (blockwise, ≈ 3.9× fewer bytes) or
     sparseloco (training/encodings/); SPES's expert versions follow it
@@ -216,7 +222,7 @@ class RunSettings:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("model", self.model, MODEL_PRESETS)
         _choice("compression", self.compression, COMPRESSIONS)
-        _in_range("rounds", self.rounds, 1, 1 << 30)
+        _in_range("rounds", self.rounds, 0, MAX_ROUNDS)
         _in_range("seed", self.seed, 0, 65535)
         for name in ("data_sha256", "tokenizer_sha256"):
             value = getattr(self, name)
@@ -236,6 +242,12 @@ class RunSettings:
     @property
     def trains(self) -> bool:
         return self.algorithm in algorithms.MODULES
+
+    @property
+    def round_limit(self) -> int:
+        """The round every trainer of the run stops before: ``rounds``, or ``MAX_ROUNDS``
+        for a run until its nodes stop."""
+        return self.rounds or MAX_ROUNDS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -377,6 +389,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 __all__ = [
     "ALGORITHMS",
     "COMPRESSIONS",
+    "MAX_ROUNDS",
     "MODEL_PRESETS",
     "MOE_PRESETS",
     "InnerConfig",

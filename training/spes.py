@@ -164,10 +164,14 @@ def check_version(
     return None
 
 
+OPEN_ENDED_MERGE_ROUNDS = 100
+"""A run with no budget of rounds (``rounds`` 0) merges as a run of this many would."""
+
+
 def merge_rate(config: SpesConfig, round_index: int, rounds: int) -> float:
     """α_t at the end of round ``round_index``: merge_alpha falling linearly to 0 at
-    merge_fraction of the run."""
-    horizon = config.merge_fraction * rounds
+    merge_fraction of the run's ``rounds`` (0: of ``OPEN_ENDED_MERGE_ROUNDS``)."""
+    horizon = config.merge_fraction * (rounds or OPEN_ENDED_MERGE_ROUNDS)
     if horizon <= 0:
         return 0.0
     return config.merge_alpha * max(0.0, 1.0 - (round_index + 1) / horizon)

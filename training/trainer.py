@@ -193,10 +193,11 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def val_loss(self, *, max_batches: int = 8, max_rows: int | None = None) -> float:
-        """The mean loss over the first validation blocks (``Shard.val_batches``)."""
+    def val_loss(self, num_rows: int) -> float:
+        """The mean loss over ``num_rows`` validation blocks spread over the split (all of
+        them if it has no more: ``Shard.val_batches``), each block weighing alike."""
         self.model.eval()
-        batches = self.shard.val_batches(batch_size=self.inner.batch_size, max_batches=max_batches, max_rows=max_rows)
+        batches = self.shard.val_batches(batch_size=self.inner.batch_size, num_rows=num_rows)
         total = 0.0
         moes = self.model.moes()
         load = torch.zeros(moes[0].num_experts, device=self.device) if moes else None

@@ -21,7 +21,11 @@ if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of
 @dataclass(slots=True)
 class TrainingMetrics:
     loss_curve: list[list[float]] = field(default_factory=list)
-    """[step, validation loss] at the end of each round's inner steps."""
+    """[step, validation loss] at the end of each round's inner steps, every point on the
+    same validation blocks (training/validation.py ``curve_rows``)."""
+    full_val_loss: float | None = None
+    """The final model's loss on the whole validation split (``FULL_MAX_ROWS`` at most),
+    measured once the run's last round is done; None before."""
     rounds: int = 0
     rounds_with_partner: int = 0
     tokens: int = 0
@@ -33,7 +37,8 @@ class TrainingMetrics:
     measure, ``outer_done``'s ``wait_s``): the whole exchange with a barrier, what the
     overlapped inner steps did not hide without one (``outer.overlap``)."""
     eval_s: float = 0.0
-    """Validation at the rounds' ends, as the worker timed it (``round_done``'s ``eval_s``)."""
+    """Validation at the rounds' ends and the final full one, as the worker timed them
+    (``round_done``'s and the last ``outer_done``'s ``eval_s``)."""
     outer_s: float = 0.0
     """Outer steps, a partner payload's decoding and check and the checkpoint's staging
     included, as the worker timed them (``outer_done``'s ``outer_s``)."""
@@ -46,7 +51,8 @@ class TrainingMetrics:
     overlapped_steps: int = 0
     """Inner steps the worker took before a round's outer step landed (``outer.overlap``)."""
     train_wall_s: float = 0.0
-    """From the first worker's "ready" to the last outer step: compute_s / train_wall_s is
+    """From the first worker's "ready" to the last outer step (the final full validation
+    after it aside): compute_s / train_wall_s is
     the worker's utilization (the rest: waiting, evaluation, outer steps, restarts)."""
     finished: bool = False
     checkpoint_error: str | None = None

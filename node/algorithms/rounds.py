@@ -244,7 +244,7 @@ class PayloadRounds:
             )
             self.joining(True)
             fetched = await self.states.join(
-                self._state_sources(), dest, last_round=self.ctx.run.rounds, boundary_wait_s=wait_s
+                self._state_sources(), dest, last_round=self.ctx.run.round_limit, boundary_wait_s=wait_s
             )
         finally:
             self.joining(False)
@@ -323,6 +323,8 @@ class PayloadRounds:
         elif start > done:
             self._jumps.append((start, start - done))
         metrics.rounds = start
+        if start < self.ctx.run.round_limit:  # the run's last round is (again) to come
+            metrics.full_val_loss = None
         metrics.outer_s_rounds[:] = [entry for entry in metrics.outer_s_rounds if entry[0] < start]
 
     async def _session(self, worker: WorkerConnection) -> None:
@@ -332,7 +334,7 @@ class PayloadRounds:
         if metrics.first_ready is None:
             metrics.first_ready = trio.current_time()
         self._restart_at(worker.start_round)
-        if worker.start_round >= self.ctx.run.rounds:
+        if worker.start_round >= self.ctx.run.round_limit:
             return
         self.ready(worker)
         await self.opening(worker)
@@ -366,11 +368,13 @@ class PayloadRounds:
                     await self.judge(message)
                     # Rounds the worker left out to catch up with its peers count as done.
                     skipped = message.get("skipped")
-                    skipped = skipped if type(skipped) is int and 0 <= skipped < self.ctx.run.rounds else 0
+                    skipped = skipped if type(skipped) is int and 0 <= skipped < self.ctx.run.round_limit else 0
                     if skipped:
                         self._skips.append((int(message["round"]), skipped))
                     metrics.rounds += 1 + skipped
-                    metrics.train_wall_s = trio.current_time() - metrics.first_ready
+                    # The run's final full validation comes after its last outer step: not training time.
+                    full_eval_s = _seconds(message.get("eval_s"))
+                    metrics.train_wall_s = trio.current_time() - metrics.first_ready - full_eval_s
                     metrics.rounds_with_partner += int(message.get("used_peer") is True)
                     overlapped = message.get("overlapped")
                     metrics.overlapped_steps += overlapped if type(overlapped) is int and overlapped >= 0 else 0
@@ -378,7 +382,11 @@ class PayloadRounds:
                     metrics.outer_s += _seconds(message.get("outer_s"))
                     metrics.outer_s_rounds.append([int(message["round"]), round(_seconds(message.get("outer_s")), 3)])
                     metrics.save_wait_s += _seconds(message.get("save_wait_s"))
-                    if metrics.rounds >= self.ctx.run.rounds:
+                    metrics.eval_s += full_eval_s
+                    full = message.get("full_val_loss")
+                    if isinstance(full, float) and math.isfinite(full):
+                        metrics.full_val_loss = full
+                    if metrics.rounds >= self.ctx.run.round_limit:
                         self._finished()
                         await self.linger()
                         return

@@ -64,6 +64,8 @@ from training.settings import RunSettings
 from training.worker_config import check_device
 
 MAX_NODES = 64
+DEFAULT_ROUNDS = 10
+"""A simulation's budget of rounds unless told (a run started by ``node`` has none)."""
 POLL_INTERVAL_S = 0.5
 CONVERGE_TIMEOUT_S = 120.0
 TRAIN_TIMEOUT_S = 3600.0
@@ -89,7 +91,7 @@ class SimulationOptions:
     """Keep the network running this long after it converged."""
     keep_data: bool = False
     """Keep each node's data dir and log (under /tmp) for inspection."""
-    settings: RunSettings = field(default_factory=RunSettings)
+    settings: RunSettings = field(default_factory=lambda: RunSettings(rounds=DEFAULT_ROUNDS))
     """What the run trains (algorithm none only forms the network)."""
     plot_path: Path | None = None
     """Draw the loss curves of all nodes into this PNG."""
@@ -114,6 +116,8 @@ class SimulationOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
             raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
+        if self.settings.trains and not self.settings.rounds:
+            raise ConfigError("--rounds: a simulation trains a budget of rounds (1 or more), got 0")
         if self.timeout_s is None:
             self.timeout_s = CONVERGE_TIMEOUT_S if not self.settings.trains else TRAIN_TIMEOUT_S
         if not self.timeout_s > 0:
@@ -238,7 +242,8 @@ NO_TTY_EVERY_S = 2.0
 def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
     rows = [f"swarmtrain simulate: {len(nodes) - 1} nodes + bootstrap, {elapsed_s:5.1f} s"]
     rows.append(
-        f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9} {'round':>5} {'loss':>6}"
+        f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9} {'round':>5} "
+        f"{'val loss':>8}"
     )
     for node in nodes:
         s = node.status
@@ -251,7 +256,7 @@ def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
         rows.append(
             f"{node.name:6} {peer:10} {s.get('peers_seen', 0):>3}/{expected_peers:<3} "
             f"{s.get('members', 0):>7} {s.get('state_digest') or '':16} {converged:>9} "
-            f"{training.get('rounds', '-'):>5} {f'{loss:.3f}' if loss is not None else '-':>6}"
+            f"{training.get('rounds', '-'):>5} {f'{loss:.3f}' if loss is not None else '-':>8}"
         )
     return "\n".join(rows)
 
@@ -299,7 +304,8 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
         last_print, last_table = -1e9, ""
         assert options.timeout_s is not None
         stop_reason = f"not {'converged' if not options.settings.trains else 'trained'} after {options.timeout_s:g} s"
-        killed: set[str] = set()
+        killed: dict[str, dict[str, Any]] = {}
+        """The nodes killed as asked, and when: judged no more (``_report``)."""
         late_names: set[str] = set()
         links_settled_at: float | None = None
         with trio.move_on_after(options.timeout_s):
@@ -337,12 +343,11 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 if (
                     options.kill_after_s is not None
                     and converged_at is not None
+                    and victim.name not in killed
                     and victim.process.poll() is None
                     and now - converged_at >= options.kill_after_s
                 ):
-                    print(f"killing {victim.name} (SIGKILL), as asked", flush=True)
-                    victim.process.send_signal(signal.SIGKILL)
-                    killed.add(victim.name)
+                    killed[victim.name] = _kill(victim, now - converged_at)
                 exited = [n.name for n in nodes if n.process.poll() is not None and n.name not in killed]
                 if exited:
                     stop_reason = f"{', '.join(exited)} exited early"
@@ -376,8 +381,9 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     for node in nodes:
         if node.process.returncode not in (0, None) and node.name not in killed:
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
-    report = _report(nodes, wall_s)
+    report = _report(nodes, wall_s, killed=set(killed))
     report["settings"] = options.settings.to_dict()  # what the run was asked to train, every setting
+    report["killed"] = list(killed.values())
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
         entry["late_join"] = entry["name"] in late_names
@@ -426,7 +432,23 @@ def _all_pairs_linked(daemons: list[_Node]) -> bool:
     return _pairs(daemons)["unconnected"] == 0
 
 
-def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
+def _kill(victim: _Node, training_s: float) -> dict[str, Any]:
+    """SIGKILL ``victim`` (``--kill-after-s``): what the report and the summary say of it."""
+    rounds = (victim.status.get("training") or {}).get("rounds")
+    print(f"killing {victim.name} (SIGKILL) at round {rounds}, {training_s:.1f} s into training, as asked", flush=True)
+    victim.process.send_signal(signal.SIGKILL)
+    return {
+        "name": victim.name,
+        "peer_id": victim.status.get("peer_id", ""),
+        "after_s": round(training_s, 3),
+        "rounds": rounds if type(rounds) is int else None,
+    }
+
+
+def _report(nodes: list[_Node], wall_s: float, *, killed: set[str]) -> dict[str, Any]:
+    """``killed``: nodes killed as asked and not started again: the run is judged without
+    them (their state froze when they died), the bootstrap node and the others with."""
+
     def entry(node: _Node) -> dict[str, Any]:
         s = node.status
         return {
@@ -449,14 +471,15 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 
     daemons = [entry(n) for n in nodes[1:]]
     algorithm = next((d["algorithm"] for d in daemons if d.get("algorithm")), "none")
-    digests = {d["state_digest"] for d in daemons} | {nodes[0].status.get("state_digest")}
+    judged = [n for n in nodes if n.name not in killed]
+    digests = {n.status.get("state_digest") for n in judged}
     statuses = [n.status.get("training") or {} for n in nodes[1:]]
     summary = algorithms.algorithm_class(algorithm).summary(statuses) if algorithm in algorithms.MODULES else {}
     return {
         "algorithm": algorithm,
         "wall_s": round(wall_s, 3),
         "num_nodes": len(daemons),
-        "converged": all(n.converged_s is not None for n in nodes) and len(digests) == 1,
+        "converged": all(n.converged_s is not None for n in judged) and len(digests) == 1,
         "bootstrap": entry(nodes[0]) if nodes else {},
         "nodes": daemons,
         **summary,
@@ -466,6 +489,7 @@ def _report(nodes: list[_Node], wall_s: float) -> dict[str, Any]:
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("wire_bytes_sent", "wire_bytes_received"),
+    *("val_rows", "full_val_loss"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s", "outer_s", "overlapped_steps"),
     *("outer_s_rounds", "save_wait_s"),
     *("train_wall_s", "utilization"),
@@ -570,9 +594,8 @@ def simulate(options: SimulationOptions) -> int:
 
         plot_report(report, options.plot_path)
         print(f"loss curves drawn in {options.plot_path}")
-    status = "converged" if report["converged"] else "did NOT converge"
-    slowest = max((n["state_converged_s"] for n in report["nodes"]), default=-1.0)
-    print(f"{report['num_nodes']} nodes {status}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s")
+    for line in summary_lines(report):
+        print(line)
     if options.topology == "nat":
         pairs = report["pairs"]
         firsts = sorted(n["first_direct_s"] for n in report["nodes"] if n["first_direct_s"] is not None)
@@ -581,12 +604,43 @@ def simulate(options: SimulationOptions) -> int:
             f"{pairs['unconnected']} unconnected (direct fraction {report['direct_pair_fraction']}); "
             f"first direct connection {firsts[0] if firsts else '-'} s after a node started"
         )
-    trained = [n for n in report["nodes"] if n.get("loss_curve")]
-    if trained:
-        finals = [n["final_loss"] for n in trained]
-        firsts = [n["loss_curve"][0][1] for n in trained]
-        print(
-            f"{options.settings.algorithm}: validation loss {max(firsts):.3f} after the first round -> "
-            f"{min(finals):.3f}-{max(finals):.3f} after {max(n['rounds'] for n in trained)} rounds"
-        )
     return 0 if report["converged"] else 1
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """What a run came to, in its report's own numbers: convergence of the nodes meant to
+    live (a node killed as asked is named, not judged), then the loss curves' first and
+    last points (the same validation blocks each) and the final models' full validation."""
+    killed = report.get("killed") or []
+    judged = [n for n in report["nodes"] if not n.get("killed")]
+    status = "converged" if report["converged"] else "did NOT converge"
+    slowest = max((n["state_converged_s"] for n in judged), default=-1.0)
+    kills = "".join(
+        f"; {k['name']} ({k['peer_id'][-8:]}) killed at round {k['rounds']}, {k['after_s']:.1f} s into training, "
+        "as asked"
+        for k in killed
+    )
+    lines = [
+        f"{len(judged)} nodes {status}{kills}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s",
+    ]
+    trained = [n for n in judged if n.get("loss_curve")]
+    if not trained:
+        return lines
+    firsts = [n["loss_curve"][0][1] for n in trained]
+    finals = [n["loss_curve"][-1][1] for n in trained]
+    rows = {n.get("val_rows") for n in trained}
+    num_rows = rows.pop() if len(rows) == 1 else None
+    blocks = "its validation blocks" if num_rows is None else f"{num_rows} validation block{'s' * (num_rows != 1)}"
+    lines.append(
+        f"{report['algorithm']}: loss on {blocks} (the curve) {_span(firsts)} after the first round -> "
+        f"{_span(finals)} after {max(n['rounds'] for n in trained)} rounds"
+    )
+    fulls = [n["full_val_loss"] for n in trained if isinstance(n.get("full_val_loss"), float)]
+    if fulls:
+        lines.append(f"{report['algorithm']}: full validation of the final models (the whole split): {_span(fulls)}")
+    return lines
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f}-{high:.3f}"

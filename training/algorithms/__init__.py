@@ -22,3 +22,7 @@ MODULES = {
 NAMES = tuple(MODULES)
 MIXTURE_OF_EXPERTS = frozenset({"spes"})
 """Algorithms that train only a mixture-of-experts model (their default: its tiny preset)."""
+FORWARDS_PER_STEP = {"noloco": 3, "diloco": 3, "local": 3, "zo": 2, "spes": 3}
+"""What one step costs per block of its batch, in forwards of a block: a training step's
+forward and backward ≈ 3 (the backward ≈ twice the forward); ZO's SPSA, two forwards
+(training/validation.py sizes evaluation by it)."""

@@ -38,36 +38,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from training import checkpoint, ipc
+from training import checkpoint, ipc, validation
 from training.pinned import page_locked
 from training.saver import BackgroundSaver
 from training.trainer import PayloadRejected, Trainer
 from training.worker_config import WorkerConfig
 
 logger = logging.getLogger("training.worker")
-
-VAL_BATCHES = 8
-"""Validation batches of the first and the last round: the loss curve's ends, and the final loss."""
-VAL_ROW_PER_ROWS = 30
-"""Of every other round, one validation block (row) per this many rows the round trained
-on, at least one: a forward is about a third of a step, so validation costs ~1% of a
-round whatever H is; those rounds' losses are the loss curve's points between its ends
-(the same first blocks each time: a curve, noisier than its ends, not a final figure).
-It was 8 batches a round, then 2, then 1 batch per 10 steps: at H = 10 that was ~25%,
-~6%, then ~3% of a round's compute (one thread, tiny), what kept the worker's
-utilization under 0.9 once overlapped rounds hid the network. Measured (`swarmtrain
-simulate --nodes 4 --rounds 30 --compression sparseloco --link-mbps 100 --set seed=1`,
-8 → 2 batches, in turn): median utilization 0.770 → 0.864, training wall time 184.6 →
-158.5 s, final loss 2.054 → 2.046 (the same 8 batches)."""
-
-
-def val_rows(round_index: int, config: WorkerConfig) -> int:
-    """How many validation blocks round ``round_index`` ends with."""
-    batch_size = config.run.inner.batch_size
-    if round_index in (0, config.run.rounds - 1):
-        return VAL_BATCHES * batch_size
-    trained = config.run.inner.steps_per_round * batch_size
-    return min(VAL_BATCHES * batch_size, max(1, trained // VAL_ROW_PER_ROWS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +120,7 @@ def start_from_peer(config: WorkerConfig, trainer: Trainer) -> None:
         return
     try:
         tensors, meta = checkpoint.load(Path(config.start_from))
-        if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.rounds):
+        if not (isinstance(meta.get("round"), int) and 0 < meta["round"] <= config.run.round_limit):
             raise checkpoint.CheckpointError(f"round {meta.get('round')!r} is not one of this run's")
         # Not the peer's encoding state: its error feedback is what the peer has yet to send;
         # nor where its overlapped steps started (written mid-overlap): we start from its φ.
@@ -190,7 +167,7 @@ def save(
     if held is not None:
         tensors = {name: t for name, t in tensors.items() if not name.startswith("adam.")}
         meta = {**meta, "step": held[0], "overlapped": held[1]}
-    meta = {**meta, "round_steps": trainer.next_round_steps}
+    meta = {**meta, "round_steps": trainer.next_round_steps, "val_rows": validation.curve_rows(config.run)}
     began = time.perf_counter()
     saver.save(round_index, tensors, {**meta, "fingerprint": config.fingerprint()}, must=last)
     if not last:
@@ -257,9 +234,16 @@ def _outer_round(
     trainer.next_round_steps = told if type(told) is int and 1 <= told <= steps else steps
     if trainer.round <= round_index:  # the loop's next round is trainer.round: it must move on
         raise RuntimeError(f"the outer step of round {round_index} left the trainer at round {trainer.round}")
-    skipped = capped_skip(command.get("skip"), trainer.round, config.run.rounds)
+    skipped = capped_skip(command.get("skip"), trainer.round, config.run.round_limit)
     trainer.round += skipped
-    save_wait_s = save(config, trainer, saver, trainer.round - 1, last=round_index + 1 == config.run.rounds, held=held)
+    last = round_index + 1 == config.run.round_limit
+    save_wait_s = save(config, trainer, saver, trainer.round - 1, last=last, held=held)
+    outer_s += time.perf_counter() - began
+    full: dict[str, float] = {}
+    if last:  # the run's result (φ after its last outer step) on the whole validation split, once
+        evaluated = time.perf_counter()
+        full["full_val_loss"] = trainer.val_loss(validation.FULL_MAX_ROWS)
+        full["eval_s"] = time.perf_counter() - evaluated
     ipc.write_blocking(
         replies,
         "outer_done",
@@ -269,9 +253,10 @@ def _outer_round(
         rejected=result.rejected,
         drifted=result.drifted,
         wait_s=wait_s,
-        outer_s=outer_s + time.perf_counter() - began,
+        outer_s=outer_s,
         overlapped=0 if held is None else held[1],
         skipped=skipped,
+        **full,
         **result.extra,
     )
     return True
@@ -356,7 +341,7 @@ def _rounds(
             device=str(trainer.device),
             **({} if opening is None else opening.ready_fields),
         )
-        if opening is not None and trainer.round < config.run.rounds:
+        if opening is not None and trainer.round < config.run.round_limit:
             command = reader.get()
             if command["t"] == "stop":
                 return
@@ -368,7 +353,7 @@ def _rounds(
         pending: tuple[int, int] | None = None
         """A round whose outer step is still to come, and the step count at its end."""
         round_index = trainer.round
-        while round_index < config.run.rounds:
+        while round_index < config.run.round_limit:
             compute_s, loss_sum, taken = 0.0, 0.0, 0
             started = time.perf_counter()
             if trainer.landing:  # resumed from a checkpoint written mid-overlap: as it went
@@ -403,9 +388,9 @@ def _rounds(
             trainer.export_into(out_view)
             compute_s += time.perf_counter() - started
             evaluated = time.perf_counter()
-            val_loss = trainer.val_loss(max_batches=VAL_BATCHES, max_rows=val_rows(round_index, config))
+            val_loss = trainer.val_loss(validation.curve_rows(config.run))
             eval_s = time.perf_counter() - evaluated
-            overlap = bool(early) and round_index + 1 < config.run.rounds
+            overlap = bool(early) and round_index + 1 < config.run.round_limit
             if overlap:  # before round_done: its memory report counts the two copies this holds
                 trainer.hold_round_end(eager=eager)
             ipc.write_blocking(

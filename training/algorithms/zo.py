@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from training import checkpoint, ipc, zo
+from training import checkpoint, ipc, validation, zo
 from training.settings import ZoConfig
 from training.trainer import Trainer
 from training.worker_config import WorkerConfig
@@ -144,7 +144,12 @@ def _zo_g(trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, st
 
 
 def _zo_step(
-    trainer: Trainer, params: Sequence[torch.Tensor], config: ZoConfig, round_index: int, seeds: list[int]
+    trainer: Trainer,
+    params: Sequence[torch.Tensor],
+    config: ZoConfig,
+    round_index: int,
+    seeds: list[int],
+    val_rows: int,
 ) -> dict[str, Any]:
     """Our updates for a round: one per seed, all at this round's weights (the log applies
     them, with everyone's, before the next round)."""
@@ -154,7 +159,7 @@ def _zo_step(
     return {
         "round": round_index,
         "g_codes": codes,
-        "val_loss": trainer.val_loss(),
+        "val_loss": trainer.val_loss(val_rows),
         "compute_s": compute_s,
     }
 
@@ -236,7 +241,8 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
                 raise ipc.IpcError("zo_go needs a round and a list of seeds")
             if len(seeds) > 4096 or not all(type(s) is int and 0 <= s < 1 << 64 for s in seeds):
                 raise ipc.IpcError("zo_go seeds must be 64-bit integers (at most 4096)")
-            ipc.write_blocking(replies, "zo_step", **_zo_step(trainer, params, zo_config, round_index, seeds))
+            step = _zo_step(trainer, params, zo_config, round_index, seeds, validation.curve_rows(config.run))
+            ipc.write_blocking(replies, "zo_step", **step)
         elif kind == "zo_save":
             # The weights as they stand (genesis + whole rounds of the log): a checkpoint peers can fetch.
             path = Path(str(command.get("path")))
@@ -253,6 +259,12 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
                 snapshots.clear()  # the daemon counts round groups from the loaded weights' log afresh
             ipc.write_blocking(replies, "zo_loaded", **loaded)
         elif kind == "zo_finish":
-            ipc.write_blocking(replies, "zo_done", param_hash=zo.param_hash(params), val_loss=trainer.val_loss())
+            ipc.write_blocking(
+                replies,
+                "zo_done",
+                param_hash=zo.param_hash(params),
+                val_loss=trainer.val_loss(validation.curve_rows(config.run)),
+                full_val_loss=trainer.val_loss(validation.FULL_MAX_ROWS),
+            )
         else:
             raise ipc.IpcError(f"{kind!r} in zo mode")

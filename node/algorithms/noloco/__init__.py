@@ -48,7 +48,7 @@ class Noloco(PayloadRounds):
             send_timeout_s=SEND_TIMEOUT_S,
             is_member=ctx.is_member,
             upload_limit=ctx.upload_limit,
-            rounds=ctx.run.rounds,
+            rounds=ctx.run.round_limit,
             schedule_seed=ctx.state.run_id,
             prefer_share=ctx.run.outer.overlap,
             overlap=self.overlap_share(),
@@ -128,7 +128,7 @@ class Noloco(PayloadRounds):
         # A fraction of a round behind counts too (half or more): two pairs that far apart
         # never meet (lag.py ``CATCH_UP_FROM``).
         lead = self.pairing.lead
-        skipped, rounds = self.rounds_skipped, self.ctx.run.rounds
+        skipped, rounds = self.rounds_skipped, self.ctx.run.round_limit
         skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds)
         steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lead - skip)
         if steps < self.ctx.run.inner.steps_per_round:

@@ -159,7 +159,7 @@ class Spes(Noloco):
     async def _lease(self, round_index: int) -> list[int]:
         """Run the rule, write our claims, and say what we train now."""
         store = self.store
-        training = still_training(store.peers_training, store.reported, self.ctx.run.rounds)
+        training = still_training(store.peers_training, store.reported, self.ctx.run.round_limit)
         listening = self._listening or (round_index, trio.current_time())
         progress = Progress(store.newest_by_owner, store.reported, store.answered, listening, training)
         active = self.keeper.active(self.ctx.partners(), progress, round_index, now=trio.current_time())
@@ -274,7 +274,7 @@ class Spes(Noloco):
     async def judge(self, done: dict[str, Any]) -> None:
         await super().judge(done)
         skipped = done.get("skipped")
-        if type(skipped) is int and 0 < skipped < self.ctx.run.rounds:
+        if type(skipped) is int and 0 < skipped < self.ctx.run.round_limit:
             await self._skipped(int(done["round"]), skipped)
         refused = done.get("rejected_experts") or []
         refused_experts = set()

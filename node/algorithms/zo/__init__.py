@@ -29,7 +29,7 @@ class Zo:
             ctx.host,
             run_id=ctx.state.run_id,
             identity_seed=ctx.identity_seed,
-            rounds=ctx.run.rounds,
+            rounds=ctx.run.round_limit,
             updates_per_round=ctx.run.inner.steps_per_round,
             partners=ctx.partners,
             pull_from=lambda: sorted(
@@ -83,6 +83,7 @@ class Zo:
             point = [float(step["round"]), float(step["val_loss"])]
             if step.get("final"):  # the final weights changed: late updates arrived
                 metrics.loss_curve[-1:] = [point]
+                metrics.full_val_loss = self.rounds.full_val_loss
                 return
             metrics.rounds += 1
             metrics.loss_curve.append(point)
@@ -91,11 +92,13 @@ class Zo:
 
         def on_finished() -> None:
             assert self.rounds.final_val_loss is not None
-            metrics.loss_curve.append([float(self.ctx.run.rounds), self.rounds.final_val_loss])
+            metrics.loss_curve.append([float(self.ctx.run.round_limit), self.rounds.final_val_loss])
+            metrics.full_val_loss = self.rounds.full_val_loss
             metrics.finished = True
 
         metrics.rounds = 0
         metrics.loss_curve.clear()
+        metrics.full_val_loss = None
         await self.rounds.session(worker, on_step, on_finished)
 
 

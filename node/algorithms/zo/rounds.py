@@ -18,6 +18,7 @@ newest round it finds, so it ends bit-identical to the others.
 import contextlib
 import itertools
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -124,6 +125,9 @@ class ZoRounds:
         self.rebuilds = 0
         self.param_hash: str | None = None
         self.final_val_loss: float | None = None
+        """The final weights' loss on the curve's validation blocks (``zo_done``)."""
+        self.full_val_loss: float | None = None
+        """And on the whole validation split (training/validation.py)."""
         self.start_round = 0
         self.checkpoint_round: int | None = None
         """The round of the checkpoint we started from (fetched from a peer), if any."""
@@ -389,6 +393,8 @@ class ZoRounds:
             raise WorkerGone(f"expected zo_done, got {done['t']!r}")
         self.param_hash = str(done.get("param_hash"))
         self.final_val_loss = float(done.get("val_loss", 0.0))
+        full = done.get("full_val_loss")
+        self.full_val_loss = full if isinstance(full, float) and math.isfinite(full) else None
         self._hashed_entries = len(self._applied)
         logger.info("zo: %d log entries applied, weights %s", len(self._applied), self.param_hash[:16])
 

@@ -1,0 +1,59 @@
+"""simulate's report and summary, from nodes' statuses (no processes): what is judged, and
+that the summary's numbers are the report's."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from node.simulate import _Node, _report, summary_lines
+from node.simulate.children import Child
+
+
+@dataclass
+class _Exited:
+    """A child process that has exited (what ``_report`` reads of one)."""
+
+    returncode: int
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def node(name: str, digest: str, *, exit_code: int = 0, curve: list[list[float]] | None = None) -> _Node:
+    training = None
+    if curve is not None:
+        training = {"algorithm": "noloco", "rounds": len(curve), "loss_curve": curve, "final_loss": curve[-1][1]}
+        training |= {"val_rows": 9, "full_val_loss": curve[-1][1] + 1.0}
+    status = {"peer_id": f"12D3KooW{name:0>44}", "state_digest": digest, "members": 4, "peers_seen": 3}
+    made = _Node(name, Path("/nonexistent"), cast(Child, _Exited(exit_code)), status={**status, "training": training})
+    made.converged_s = 2.0
+    return made
+
+
+def test_a_killed_node_is_named_and_not_judged_and_a_living_one_that_differs_fails() -> None:
+    """The killed node's state froze when it died: the others agree without it. The same
+    stale digest on a node meant to live is a run that did not converge."""
+    curve = [[10.0, 3.5], [20.0, 2.5], [30.0, 2.0]]
+    nodes = [node("boot", "aa"), node("n0", "aa", curve=curve), node("n1", "aa", curve=curve)]
+    nodes.append(node("n2", "stale", exit_code=-9, curve=curve[:1]))
+    report = _report(nodes, 30.0, killed={"n2"})
+    assert report["converged"] is True
+    assert _report(nodes, 30.0, killed=set())["converged"] is False
+    report["killed"] = [{"name": "n2", "peer_id": nodes[3].status["peer_id"], "after_s": 12.5, "rounds": 1}]
+    for entry in report["nodes"]:
+        entry["killed"] = entry["name"] == "n2"
+    head, losses, full = summary_lines(report)
+    assert head.startswith("2 nodes converged; n2 (000000n2) killed at round 1, 12.5 s into training, as asked;")
+    # The curve's own first and last points, the killed node's aside; the full validation apart.
+    curve = "noloco: loss on 9 validation blocks (the curve) 3.500 after the first round -> 2.000 after 3 rounds"
+    assert losses == curve
+    assert full == "noloco: full validation of the final models (the whole split): 3.000"
+
+
+def test_the_summary_spans_every_nodes_first_and_last_points() -> None:
+    nodes = [node("boot", "aa"), node("n0", "aa", curve=[[10.0, 3.0], [20.0, 1.5]])]
+    nodes.append(node("n1", "aa", curve=[[10.0, 3.25], [20.0, 1.25]]))
+    report: dict[str, Any] = _report(nodes, 30.0, killed=set())
+    _, losses, full = summary_lines(report)
+    assert "3.000-3.250 after the first round -> 1.250-1.500 after 2 rounds" in losses
+    assert full.endswith(": 2.250-2.500")
