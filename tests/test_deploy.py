@@ -1,5 +1,6 @@
 """deploy/: the files parse, and every swarmtrain command in them is one our CLI accepts
-(no Docker here: what can be checked without building an image)."""
+(no Docker here: what can be checked without building an image; tests/test_wheel.py builds
+and runs the image where a Docker engine answers)."""
 
 import re
 import shlex
