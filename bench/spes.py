@@ -62,8 +62,6 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def simulate(flags: list[str], report_path: Path, args: argparse.Namespace, *, nodes: int, seed: int) -> dict[str, Any]:
-    # A run with a killed node never "converges" (the dead node's view is stale): exit 1
-    # with a whole report is a finished run.
     return run_simulate(
         [
             *["--nodes", str(nodes), *flags],
@@ -71,7 +69,6 @@ def simulate(flags: list[str], report_path: Path, args: argparse.Namespace, *, n
         ],
         report_path,
         timeout_s=args.timeout_s,
-        exit_codes=(0, 1),
     )
 
 

@@ -73,10 +73,16 @@ def training_lines(training: dict[str, Any]) -> list[str]:
     elif training.get("eta_s") is not None:
         head += f", about {duration(training['eta_s'])} left"
     exchanges = (
-        f"a partner in {training.get('rounds_with_partner', 0)} of {len(training.get('loss_curve') or [])} rounds, "
+        f"a partner in {training.get('rounds_with_partner', 0)} of {trained_here(training)} rounds, "
         f"{megabytes(training.get('bytes_sent'))} sent, {megabytes(training.get('bytes_received'))} received"
     )
     return [head, exchanges, *busy_lines(training)]
+
+
+def trained_here(training: dict[str, Any]) -> int:
+    """Rounds this node trained (its status's loss curve is thinned past 512 points)."""
+    counted = training.get("rounds_trained_here")
+    return counted if type(counted) is int else len(training.get("loss_curve") or [])
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

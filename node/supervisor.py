@@ -265,6 +265,8 @@ class Supervisor:
         """Awaited before each worker starts, once the one before it has exited."""
         self.device: str | None = None
         """Where the last worker trains, as it said (``cpu``, ``cuda``...)."""
+        self.val_blocks: int | None = None
+        """The run's validation split in blocks, as the last worker said (its ``ready``)."""
 
     async def run(self) -> None:
         delay_s = RESTART_DELAY_S
@@ -312,6 +314,8 @@ class Supervisor:
                 raise WorkerGone(f"worker began with {ready['t']!r}")
             connection.attach(ready)
             self._note_device(str(ready.get("device") or ""))
+            blocks = ready.get("val_blocks")
+            self.val_blocks = blocks if type(blocks) is int and blocks > 0 else None
             await self._session(connection)
             self._errors_in_a_row = 0
             await connection.send("stop")

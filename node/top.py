@@ -26,7 +26,7 @@ from node.api import SOCKET_NAME, call
 from node.errors import ApiError
 from node.identity import IDENTITY_FILE
 from node.logs import short_peer
-from node.progress import duration, megabytes
+from node.progress import duration, megabytes, trained_here
 
 REFRESH_S = 1.0
 PRINT_WIDTH = 160
@@ -83,7 +83,7 @@ def row(name: str, status: dict[str, Any] | None) -> list[str]:
         f"{loss:.3f}" if isinstance(loss, float) else "-",
         f"{tokens:,.0f}" if tokens else "-",
         "done" if training.get("finished") else (duration(eta) if eta is not None else "-"),
-        f"{training.get('rounds_with_partner', 0)}/{len(training.get('loss_curve') or [])}",
+        f"{training.get('rounds_with_partner', 0)}/{trained_here(training)}",
         peers,
         reach,
         str(training.get("device") or "-"),

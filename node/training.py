@@ -19,6 +19,7 @@ import trio
 
 from node import algorithms
 from node.algorithms import Algorithm, Context, TrainingMetrics
+from node.algorithms.base import thinned
 from node.config import TrainingConfig
 from protocol.net.host import Host
 from protocol.net.peers import PeerTable
@@ -57,9 +58,10 @@ def adopt(ours: RunSettings, manifest: Manifest) -> RunSettings | None:
     if not theirs.trains:
         logger.info("the run trains nothing (algorithm none): network only")
         return None
+    budget = f"{theirs.rounds} rounds" if theirs.rounds else "until the nodes stop"
     logger.info(
-        "training as the run says: %s, model %s, H=%d, %d rounds, compression %s",
-        *(theirs.algorithm, theirs.model, theirs.inner.steps_per_round, theirs.rounds, theirs.compression),
+        "training as the run says: %s, model %s, H=%d, %s, compression %s",
+        *(theirs.algorithm, theirs.model, theirs.inner.steps_per_round, budget, theirs.compression),
     )
     return theirs
 
@@ -237,14 +239,16 @@ class TrainingService:
             else round(max(0, total - m.rounds) * per_round_s, 1),
             "rounds_with_partner": m.rounds_with_partner,
             "final_loss": m.loss_curve[-1][1] if m.loss_curve else None,
-            "loss_curve": m.loss_curve,
-            "val_rows": validation.curve_rows(self.algorithm.ctx.run),
+            "loss_curve": thinned(m.loss_curve),  # the points of at most 512 rounds, evenly spread
+            "rounds_trained_here": trained_here,
+            **self._validation_blocks(),
             "full_val_loss": m.full_val_loss,
             "compute_s": round(m.compute_s, 3),
             "sync_wait_s": round(m.sync_wait_s, 3),
             "eval_s": round(m.eval_s, 3),
+            "full_eval_s": round(m.full_eval_s, 3),
             "outer_s": round(m.outer_s, 3),
-            "outer_s_rounds": m.outer_s_rounds,
+            "outer_s_rounds": thinned(m.outer_s_rounds),
             "save_wait_s": round(m.save_wait_s, 3),
             "overlapped_steps": m.overlapped_steps,
             "train_wall_s": round(m.train_wall_s, 3),
@@ -259,6 +263,17 @@ class TrainingService:
             "wire_bytes_received": TRAFFIC.received,
             **self.algorithm.status(),
         }
+
+    def _validation_blocks(self) -> dict[str, int | None]:
+        """How many validation blocks the curve's points (``val_rows``) and the final full
+        validation (``full_val_rows``) measure: training/validation.py's counts, or the
+        whole split where it is smaller (None until a worker said how large it is)."""
+        assert self.algorithm is not None
+        split = self.algorithm.supervisor.val_blocks
+        curve = validation.curve_rows(self.algorithm.ctx.run)
+        if split is None:
+            return {"val_rows": curve, "full_val_rows": None}
+        return {"val_rows": min(curve, split), "full_val_rows": min(validation.FULL_MAX_ROWS, split)}
 
     def _partners(self) -> list[str]:
         return sorted(

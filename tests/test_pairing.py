@@ -15,6 +15,7 @@ from node.algorithms.noloco.lag import (
     catch_up_steps,
     lead_of,
     rounds_to_skip,
+    skip_horizon,
 )
 from node.algorithms.noloco.pairing import (
     BAD_SINCE_POINTS,
@@ -340,6 +341,15 @@ def test_a_node_further_behind_than_a_pull_reaches_skips_to_its_peers_round() ->
     assert rounds_to_skip(int(lead_of([1e12], peers=2))) == 0  # nor as our only peer (vouched_lag)
     # At most a third of the run's rounds in all: liars cost a node at most that.
     assert [rounds_to_skip(MAX_LAG, skipped=k, rounds=30) for k in (0, 7, 9, 10, 12)] == [3, 3, 1, 0, 0]
+    # A run until its nodes stop: a third of its rounds so far, where the skip lands.
+    assert skip_horizon(30, 5, MAX_LAG) == 30 and skip_horizon(0, 5, MAX_LAG) == 6 + MAX_LAG
+    assert rounds_to_skip(MAX_LAG, skipped=10**6, rounds=skip_horizon(0, 10**6, MAX_LAG)) == 0
+    round_index, skipped = 0, 0
+    while round_index < 3000:  # two members vouching for a far round at every round
+        skip = rounds_to_skip(MAX_LAG, skipped=skipped, rounds=skip_horizon(0, round_index, MAX_LAG))
+        skipped, round_index = skipped + skip, round_index + 1 + skip
+        assert skipped <= (round_index + MAX_LAG) // 3
+    assert skipped >= (round_index - 1) // 3 - MAX_LAG  # and no fewer: honest laggards still catch up
 
 
 async def test_peers_that_reached_our_round_long_before_us_say_so_and_we_catch_up() -> None:

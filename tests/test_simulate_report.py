@@ -5,7 +5,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from node.simulate import _Node, _report, summary_lines
+import pytest
+
+from node.errors import ConfigError
+from node.simulate import SimulationOptions, _Node, _report, succeeded, summary_lines
 from node.simulate.children import Child
 
 
@@ -23,7 +26,7 @@ def node(name: str, digest: str, *, exit_code: int = 0, curve: list[list[float]]
     training = None
     if curve is not None:
         training = {"algorithm": "noloco", "rounds": len(curve), "loss_curve": curve, "final_loss": curve[-1][1]}
-        training |= {"val_rows": 9, "full_val_loss": curve[-1][1] + 1.0}
+        training |= {"val_rows": 9, "full_val_rows": 180, "full_val_loss": curve[-1][1] + 1.0}
     status = {"peer_id": f"12D3KooW{name:0>44}", "state_digest": digest, "members": 4, "peers_seen": 3}
     made = _Node(name, Path("/nonexistent"), cast(Child, _Exited(exit_code)), status={**status, "training": training})
     made.converged_s = 2.0
@@ -39,6 +42,10 @@ def test_a_killed_node_is_named_and_not_judged_and_a_living_one_that_differs_fai
     report = _report(nodes, 30.0, killed={"n2"})
     assert report["converged"] is True
     assert _report(nodes, 30.0, killed=set())["converged"] is False
+    for stale in (1, 0):  # a living node, or the bootstrap node, that differs is still judged
+        other = list(nodes)
+        other[stale] = node(other[stale].name, "other", curve=curve if stale else None)
+        assert _report(other, 30.0, killed={"n2"})["converged"] is False
     report["killed"] = [{"name": "n2", "peer_id": nodes[3].status["peer_id"], "after_s": 12.5, "rounds": 1}]
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] == "n2"
@@ -47,7 +54,22 @@ def test_a_killed_node_is_named_and_not_judged_and_a_living_one_that_differs_fai
     # The curve's own first and last points, the killed node's aside; the full validation apart.
     curve = "noloco: loss on 9 validation blocks (the curve) 3.500 after the first round -> 2.000 after 3 rounds"
     assert losses == curve
-    assert full == "noloco: full validation of the final models (the whole split): 3.000"
+    assert full == "noloco: full validation of the final models (180 blocks): 3.000"
+
+
+def test_the_exit_status_wants_convergence_the_end_asked_for_and_the_kill_asked_for() -> None:
+    nodes = [node("boot", "aa"), node("n0", "aa", curve=[[10.0, 3.0]]), node("n1", "aa", curve=[[10.0, 3.0]])]
+    report = {**_report(nodes, 30.0, killed=set()), "stop_reason": "trained", "killed": [], "kill_after_s": None}
+    assert succeeded(report)
+    assert not succeeded({**report, "stop_reason": "n1 exited early"})
+    assert not succeeded({**report, "stop_reason": "not trained after 3600 s"})
+    assert not succeeded({**report, "converged": False})
+    unkilled = {**report, "kill_after_s": 30.0}  # the run ended before the kill was due
+    assert not succeeded(unkilled)
+    assert "no node was killed: the run ended before --kill-after-s 30" in summary_lines(unkilled)
+    for nodes_asked, after_s in ((1, 5.0), (3, -1.0), (3, float("nan"))):  # one node: who would finish?
+        with pytest.raises(ConfigError, match="--kill-after-s"):
+            SimulationOptions(num_nodes=nodes_asked, kill_after_s=after_s)
 
 
 def test_the_summary_spans_every_nodes_first_and_last_points() -> None:

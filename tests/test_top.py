@@ -66,6 +66,27 @@ def test_a_run_until_stopped_shows_no_end_and_the_loss_says_which_it_is() -> Non
     assert training_lines(done)[0] == head
 
 
+def test_a_status_holds_512_points_of_a_curve_however_long_the_run() -> None:
+    """A run until its nodes stop has no last round: a status carries at most 512 points of
+    each curve, evenly spread, first and last kept, and its count of rounds apart. The whole
+    curve passed the control API's frame bound after ~127k rounds; here 10× that."""
+    import msgpack
+
+    from node.algorithms.base import STATUS_CURVE_POINTS, thinned
+    from node.api import MAX_FRAME_NBYTES
+    from node.progress import training_lines
+
+    curve = [[float(10 * r), 2.0 + 1.0 / (r + 1)] for r in range(1_300_000)]
+    shown = thinned(curve)
+    assert len(shown) == STATUS_CURVE_POINTS == 512 and shown[0] == curve[0] and shown[-1] == curve[-1]
+    assert [p[0] for p in shown] == sorted({p[0] for p in shown})  # in order, none twice
+    assert thinned(curve[:512]) == curve[:512]
+    training = {**TRAINING["training"], "loss_curve": shown, "outer_s_rounds": thinned(curve)}
+    training["rounds_trained_here"] = len(curve)
+    assert len(msgpack.packb({"training": training})) < MAX_FRAME_NBYTES // 100
+    assert "a partner in 3 of 1300000 rounds" in training_lines(training)[1]
+
+
 def test_a_folder_of_nodes_is_expanded_to_their_data_dirs(tmp_path: Path) -> None:
     for name in ("boot", "n0", "n1"):
         (tmp_path / name).mkdir()

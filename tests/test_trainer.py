@@ -397,6 +397,27 @@ def test_validation_blocks_spread_over_the_split_and_are_every_nodes_and_every_c
     assert torch.equal(blocks, a.val[spread(len(a.val), 10), :-1])
 
 
+@pytest.mark.parametrize("compression", encodings.NAMES)
+def test_the_full_validation_measures_phi_what_export_writes_and_leaves_theta_alone(compression: str) -> None:
+    """After an outer step θ = φ − what the payload left out (sparseloco's residual): the
+    run's final figure is of φ, the checkpoint's and export's weights, not of θ."""
+    a, b = trainer(0, compression=compression), trainer(1, compression=compression)
+    for _ in range(2):
+        a.inner_steps()
+        b.inner_steps()
+        pa, pb = a.outer_payload(), b.outer_payload()
+        assert a.apply_noloco(pb) and b.apply_noloco(pa)
+    theta = [p.detach().clone() for p in a.model.parameters()]
+    of_phi = trainer(0)
+    with torch.no_grad():
+        for param, phi in zip(of_phi.model.parameters(), a.phi, strict=True):
+            param.copy_(phi)
+    assert a.phi_val_loss(64) == of_phi.val_loss(64)
+    assert all(torch.equal(p, t) for p, t in zip(a.model.parameters(), theta, strict=True))
+    if compression == "sparseloco":  # where they differ, the two measures do
+        assert a.phi_val_loss(64) != a.val_loss(64)
+
+
 def test_a_validation_loss_weighs_each_block_once_whatever_its_batch() -> None:
     """A short last batch weighs by its blocks: the loss of 10 blocks in batches of 8 and 2
     is their mean, one batch or two."""

@@ -434,12 +434,18 @@ async def test_zo_worker_rewinds_to_a_kept_copy_bit_identical_to_a_replay_from_g
 async def test_zo_worker_applies_updates_saves_and_refuses_a_checkpoint_that_hashes_wrong(tmp_path: Path) -> None:
     worker = await start_worker(algorithm="zo", rounds=1, model="micro", model_overrides={})
     ready = await receive(worker)
-    assert ready["payload_nbytes"] == 0
+    assert ready["payload_nbytes"] == 0 and ready["val_blocks"] == 358  # micro's validation split
     await worker.send("zo_finish")
-    genesis = (await receive(worker))["param_hash"]
+    done = await receive(worker)
+    genesis = done["param_hash"]
+    # The curve's 2 blocks (0.03 · 2 · H · B = 2.4 at H = 5) and the full validation's 256 of
+    # micro's 358: two measures of the same weights, on other blocks.
+    assert math.isfinite(done["val_loss"]) and math.isfinite(done["full_val_loss"])
+    assert done["val_loss"] != done["full_val_loss"]
     await worker.send("zo_go", round=0, seeds=[1, 2, 3])
     step = await receive(worker)
     assert step["t"] == "zo_step" and len(step["g_codes"]) == 3
+    assert step["val_loss"] == done["val_loss"]  # the same weights, the same blocks: the same loss
     await worker.send("zo_apply", rebuild=False, updates=[[1, step["g_codes"][0]], [2, 200]])
     await worker.send("zo_save", path=str(tmp_path / "a.ckpt"), round=1)
     saved = (await receive(worker))["param_hash"]

@@ -210,6 +210,18 @@ class Trainer:
             self.expert_load = [round(float(v), 5) for v in load / len(batches)]
         return total / sum(len(x) for x, _ in batches)
 
+    @torch.no_grad()
+    def phi_val_loss(self, num_rows: int) -> float:
+        """``val_loss`` of φ, the weights a checkpoint and ``export`` hold (θ differs from
+        it by what payloads left out: sparseloco's residual), θ put back after, bit for bit."""
+        params = [p.detach() for p in self._params]
+        theta = [p.clone() for p in params]
+        torch._foreach_copy_(params, self.phi)
+        try:
+            return self.val_loss(num_rows)
+        finally:
+            torch._foreach_copy_(params, theta)
+
     def theta(self) -> list[torch.Tensor]:
         """θ as the round ended: what Δ, a payload and the outer step are made of."""
         if self._round_end is not None:

@@ -24,8 +24,9 @@ EVAL_SHARE = 0.03
 """The curve's evaluation as a share of a round's compute, by the count above (its cost
 shows in utilization, compute_s / train_wall_s; measured in docs/training.md)."""
 FULL_MAX_ROWS = 256
-"""The full validation's blocks at most: the whole split of the embedded corpus (181 blocks
-of ``tiny``), a fixed sample of a larger one (an 8 GB corpus's split is millions)."""
+"""The full validation's blocks at most: the whole split of the embedded corpus for ``tiny``
+(180 blocks of 129 bytes), a fixed sample of a larger one (``micro``'s 358 blocks of 65; an
+8 GB corpus's split is millions)."""
 
 
 def curve_rows(run: RunSettings) -> int:

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of these
     import trio
@@ -16,6 +16,23 @@ if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of
     from protocol.runstate.state import RunState
     from training.settings import RunSettings
     from training.worker_config import WorkerConfig
+
+
+T = TypeVar("T")
+
+STATUS_CURVE_POINTS = 512
+"""At most this many points of each per-round curve go into a status (``thinned``): a run
+until its nodes stop has no last round, and the control API's frames are bounded
+(node/api.py ``MAX_FRAME_NBYTES``: a whole curve passed it after ~127k rounds)."""
+
+
+def thinned(points: list[T], max_points: int = STATUS_CURVE_POINTS) -> list[T]:
+    """At most ``max_points`` of ``points`` spread evenly over them, the first and the last
+    kept (all of them when they are no more)."""
+    if len(points) <= max_points:
+        return points
+    last = len(points) - 1
+    return [points[i * last // (max_points - 1)] for i in range(max_points)]
 
 
 @dataclass(slots=True)
@@ -37,8 +54,11 @@ class TrainingMetrics:
     measure, ``outer_done``'s ``wait_s``): the whole exchange with a barrier, what the
     overlapped inner steps did not hide without one (``outer.overlap``)."""
     eval_s: float = 0.0
-    """Validation at the rounds' ends and the final full one, as the worker timed them
-    (``round_done``'s and the last ``outer_done``'s ``eval_s``)."""
+    """Validation at the rounds' ends (the curve), as the worker timed it (``round_done``'s
+    ``eval_s``)."""
+    full_eval_s: float = 0.0
+    """The final full validation, after the last outer step (the last ``outer_done``'s
+    ``eval_s``): in neither ``eval_s`` nor ``train_wall_s``."""
     outer_s: float = 0.0
     """Outer steps, a partner payload's decoding and check and the checkpoint's staging
     included, as the worker timed them (``outer_done``'s ``outer_s``)."""

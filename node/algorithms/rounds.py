@@ -382,7 +382,7 @@ class PayloadRounds:
                     metrics.outer_s += _seconds(message.get("outer_s"))
                     metrics.outer_s_rounds.append([int(message["round"]), round(_seconds(message.get("outer_s")), 3)])
                     metrics.save_wait_s += _seconds(message.get("save_wait_s"))
-                    metrics.eval_s += full_eval_s
+                    metrics.full_eval_s += full_eval_s
                     full = message.get("full_val_loss")
                     if isinstance(full, float) and math.isfinite(full):
                         metrics.full_val_loss = full

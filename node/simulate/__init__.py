@@ -13,13 +13,16 @@ when each node converged. No process outlives the simulation: children get SIGTE
 it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
 
 Report: {"algorithm": str, "settings": {every run setting: training/settings.py},
-         "wall_s": float, "converged": bool, "num_nodes": int,
-         "stop_reason": str, "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
+         "wall_s": float, "converged": bool (the bootstrap node and the nodes not killed),
+         "num_nodes": int, "stop_reason": str, "kill_after_s": float | null, "killed":
+         [{"name", "peer_id", "after_s", "rounds"}], "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
-         and when it trains: "final_loss", "loss_curve", "bytes_sent", "bytes_received"
+         and when it trains: "loss_curve" ([step, loss on the run's curve blocks]),
+         "final_loss" (its last point), "val_rows" (those blocks), "full_val_loss" (the final
+         model on the whole split), "full_val_rows", "full_eval_s", "bytes_sent", "bytes_received"
          (payloads), "wire_bytes_sent", "wire_bytes_received" (every byte on TCP),
          "rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s"
-         (validation), "outer_s" (outer steps with the partner payload's check and the
+         (the curve's validation), "outer_s" (outer steps with the partner payload's check and the
          checkpoint's staging), "outer_s_rounds" ([round, outer_s] each), "save_wait_s" (of
          outer_s: the wait for the run's last checkpoint write), "overlapped_steps"
          (inner steps taken before a round's outer step landed: outer.overlap),
@@ -118,6 +121,11 @@ class SimulationOptions:
             raise ConfigError(f"--nodes: must be between 1 and {MAX_NODES}, got {self.num_nodes}")
         if self.settings.trains and not self.settings.rounds:
             raise ConfigError("--rounds: a simulation trains a budget of rounds (1 or more), got 0")
+        if self.kill_after_s is not None and not (self.kill_after_s >= 0 and self.num_nodes >= 2):
+            raise ConfigError(
+                f"--kill-after-s: needs 0 s or more and --nodes 2 or more (one dies, the others finish), "
+                f"got {self.kill_after_s:g} s and {self.num_nodes} node(s)"
+            )
         if self.timeout_s is None:
             self.timeout_s = CONVERGE_TIMEOUT_S if not self.settings.trains else TRAIN_TIMEOUT_S
         if not self.timeout_s > 0:
@@ -384,6 +392,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     report = _report(nodes, wall_s, killed=set(killed))
     report["settings"] = options.settings.to_dict()  # what the run was asked to train, every setting
     report["killed"] = list(killed.values())
+    report["kill_after_s"] = options.kill_after_s
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
         entry["late_join"] = entry["name"] in late_names
@@ -435,14 +444,21 @@ def _all_pairs_linked(daemons: list[_Node]) -> bool:
 def _kill(victim: _Node, training_s: float) -> dict[str, Any]:
     """SIGKILL ``victim`` (``--kill-after-s``): what the report and the summary say of it."""
     rounds = (victim.status.get("training") or {}).get("rounds")
-    print(f"killing {victim.name} (SIGKILL) at round {rounds}, {training_s:.1f} s into training, as asked", flush=True)
-    victim.process.send_signal(signal.SIGKILL)
-    return {
+    kill = {
         "name": victim.name,
         "peer_id": victim.status.get("peer_id", ""),
         "after_s": round(training_s, 3),
         "rounds": rounds if type(rounds) is int else None,
     }
+    print(f"killing {victim.name} (SIGKILL){_when(kill)}, as asked", flush=True)
+    victim.process.send_signal(signal.SIGKILL)
+    return kill
+
+
+def _when(kill: dict[str, Any]) -> str:
+    """When a node was killed: its round (if it trained) and the time since training began."""
+    at_round = f" at round {kill['rounds']}," if kill.get("rounds") is not None else ""
+    return f"{at_round} {kill['after_s']:.1f} s into training"
 
 
 def _report(nodes: list[_Node], wall_s: float, *, killed: set[str]) -> dict[str, Any]:
@@ -489,7 +505,7 @@ def _report(nodes: list[_Node], wall_s: float, *, killed: set[str]) -> dict[str,
 TRAINING_REPORT_KEYS = (
     *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
     *("wire_bytes_sent", "wire_bytes_received"),
-    *("val_rows", "full_val_loss"),
+    *("val_rows", "full_val_rows", "full_val_loss", "full_eval_s"),
     *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s", "outer_s", "overlapped_steps"),
     *("outer_s_rounds", "save_wait_s"),
     *("train_wall_s", "utilization"),
@@ -604,7 +620,14 @@ def simulate(options: SimulationOptions) -> int:
             f"{pairs['unconnected']} unconnected (direct fraction {report['direct_pair_fraction']}); "
             f"first direct connection {firsts[0] if firsts else '-'} s after a node started"
         )
-    return 0 if report["converged"] else 1
+    return 0 if succeeded(report) else 1
+
+
+def succeeded(report: dict[str, Any]) -> bool:
+    """The exit status's verdict: the nodes meant to live converged and the run ended as
+    asked (trained, or formed the network), with the kill it was asked for."""
+    killed_as_asked = report.get("kill_after_s") is None or bool(report.get("killed"))
+    return bool(report["converged"]) and report["stop_reason"] in ("converged", "trained") and killed_as_asked
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -615,14 +638,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     judged = [n for n in report["nodes"] if not n.get("killed")]
     status = "converged" if report["converged"] else "did NOT converge"
     slowest = max((n["state_converged_s"] for n in judged), default=-1.0)
-    kills = "".join(
-        f"; {k['name']} ({k['peer_id'][-8:]}) killed at round {k['rounds']}, {k['after_s']:.1f} s into training, "
-        "as asked"
-        for k in killed
-    )
+    kills = "".join(f"; {k['name']} ({k['peer_id'][-8:]}) killed{_when(k)}, as asked" for k in killed)
     lines = [
         f"{len(judged)} nodes {status}{kills}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s",
     ]
+    if report.get("kill_after_s") is not None and not killed:
+        lines.append(f"no node was killed: the run ended before --kill-after-s {report['kill_after_s']:g}")
     trained = [n for n in judged if n.get("loss_curve")]
     if not trained:
         return lines
@@ -637,7 +658,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     )
     fulls = [n["full_val_loss"] for n in trained if isinstance(n.get("full_val_loss"), float)]
     if fulls:
-        lines.append(f"{report['algorithm']}: full validation of the final models (the whole split): {_span(fulls)}")
+        full_rows = {n.get("full_val_rows") for n in trained}
+        full_blocks = f"{full_rows.pop()} blocks" if len(full_rows) == 1 and None not in full_rows else "its blocks"
+        lines.append(f"{report['algorithm']}: full validation of the final models ({full_blocks}): {_span(fulls)}")
     return lines
 
 

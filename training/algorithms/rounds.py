@@ -242,7 +242,7 @@ def _outer_round(
     full: dict[str, float] = {}
     if last:  # the run's result (φ after its last outer step) on the whole validation split, once
         evaluated = time.perf_counter()
-        full["full_val_loss"] = trainer.val_loss(validation.FULL_MAX_ROWS)
+        full["full_val_loss"] = trainer.phi_val_loss(validation.FULL_MAX_ROWS)
         full["eval_s"] = time.perf_counter() - evaluated
     ipc.write_blocking(
         replies,
@@ -339,6 +339,7 @@ def _rounds(
             inbox=inbox.name,
             round=trainer.round,
             device=str(trainer.device),
+            val_blocks=len(trainer.shard.val),
             **({} if opening is None else opening.ready_fields),
         )
         if opening is not None and trainer.round < config.run.round_limit:

@@ -205,6 +205,7 @@ def run(config: WorkerConfig, trainer: Trainer, commands: BinaryIO, replies: Bin
         round=0,
         zo_snapshots=snapshots.capacity,
         device=str(trainer.device),
+        val_blocks=len(trainer.shard.val),
     )
     round_parts: list[tuple[int, int]] = []
     pending = Pending(params, zo_config)

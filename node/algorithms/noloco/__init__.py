@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from node.algorithms.base import Context
-from node.algorithms.noloco.lag import catch_up_steps, rounds_to_skip
+from node.algorithms.noloco.lag import catch_up_steps, rounds_to_skip, skip_horizon
 from node.algorithms.noloco.pairing import Pairing
 from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection
@@ -128,8 +128,8 @@ class Noloco(PayloadRounds):
         # A fraction of a round behind counts too (half or more): two pairs that far apart
         # never meet (lag.py ``CATCH_UP_FROM``).
         lead = self.pairing.lead
-        skipped, rounds = self.rounds_skipped, self.ctx.run.round_limit
-        skip = rounds_to_skip(self.pairing.vouched_lag, skipped=skipped, rounds=rounds)
+        lag, skipped = self.pairing.vouched_lag, self.rounds_skipped
+        skip = rounds_to_skip(lag, skipped=skipped, rounds=skip_horizon(self.ctx.run.rounds, round_index, lag))
         steps = catch_up_steps(self.ctx.run.inner.steps_per_round, lead - skip)
         if steps < self.ctx.run.inner.steps_per_round:
             self.rounds_shortened += 1

@@ -65,6 +65,14 @@ def rounds_to_skip(lag: int, *, skipped: int = 0, rounds: int = 1 << 62) -> int:
     return min(lag, budget) if lag > PULL_AHEAD_ROUNDS else 0
 
 
+def skip_horizon(rounds: int, round_index: int, lag: int) -> int:
+    """The rounds a node's skips may be a share of (``rounds_to_skip``'s ``rounds``): the
+    run's budget, or in a run until its nodes stop (``rounds`` 0) the rounds up to where a
+    skip of ``lag`` after round ``round_index`` lands: members lying together cost such a
+    node at most that share of its rounds so far, not of 2^30."""
+    return rounds or round_index + 1 + lag
+
+
 def lead_of(leads: Iterable[float], *, peers: int) -> float:
     """How many rounds our peers are ahead of us (``Pairing`` keeps what each told us in
     our last ``LEAD_MEMORY_ROUNDS`` rounds, as rounds ahead of ours then, a fraction for how

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from node.algorithms.base import Context
+from node.algorithms.base import Context, thinned
 from node.algorithms.noloco import Noloco
 from node.algorithms.spes.experts import MAX_PARALLEL_FETCHES, ExpertStore, Head
 from node.algorithms.spes.leases import LeaseKeeper, Progress, still_training
@@ -321,7 +321,7 @@ class Spes(Noloco):
             "expert_versions_refused": self.versions_refused,
             "expert_bytes_sent": self.store.bytes_sent,
             "expert_bytes_received": self.store.bytes_received,
-            "memory_curve": self.memory_curve,
+            "memory_curve": thinned(self.memory_curve),
             "leases": {str(e): [r.owner, r.epoch] for e, r in sorted(self.keeper.view().items())},
             "releases": [r.report() for r in self.keeper.releases],
         }
