@@ -8,8 +8,9 @@ from typing import Any, cast
 import pytest
 
 from node.errors import ConfigError
-from node.simulate import SimulationOptions, _Node, _report, succeeded, summary_lines
+from node.simulate import SimulationOptions
 from node.simulate.children import Child
+from node.simulate.report import Node, build, succeeded, summary_lines
 
 
 @dataclass
@@ -22,13 +23,13 @@ class _Exited:
         return self.returncode
 
 
-def node(name: str, digest: str, *, exit_code: int = 0, curve: list[list[float]] | None = None) -> _Node:
+def node(name: str, digest: str, *, exit_code: int = 0, curve: list[list[float]] | None = None) -> Node:
     training = None
     if curve is not None:
         training = {"algorithm": "noloco", "rounds": len(curve), "loss_curve": curve, "final_loss": curve[-1][1]}
         training |= {"val_rows": 9, "full_val_rows": 180, "full_val_loss": curve[-1][1] + 1.0}
     status = {"peer_id": f"12D3KooW{name:0>44}", "state_digest": digest, "members": 4, "peers_seen": 3}
-    made = _Node(name, Path("/nonexistent"), cast(Child, _Exited(exit_code)), status={**status, "training": training})
+    made = Node(name, Path("/nonexistent"), cast(Child, _Exited(exit_code)), status={**status, "training": training})
     made.converged_s = 2.0
     return made
 
@@ -39,13 +40,13 @@ def test_a_killed_node_is_named_and_not_judged_and_a_living_one_that_differs_fai
     curve = [[10.0, 3.5], [20.0, 2.5], [30.0, 2.0]]
     nodes = [node("boot", "aa"), node("n0", "aa", curve=curve), node("n1", "aa", curve=curve)]
     nodes.append(node("n2", "stale", exit_code=-9, curve=curve[:1]))
-    report = _report(nodes, 30.0, killed={"n2"})
+    report = build(nodes, 30.0, killed={"n2"})
     assert report["converged"] is True
-    assert _report(nodes, 30.0, killed=set())["converged"] is False
+    assert build(nodes, 30.0, killed=set())["converged"] is False
     for stale in (1, 0):  # a living node, or the bootstrap node, that differs is still judged
         other = list(nodes)
         other[stale] = node(other[stale].name, "other", curve=curve if stale else None)
-        assert _report(other, 30.0, killed={"n2"})["converged"] is False
+        assert build(other, 30.0, killed={"n2"})["converged"] is False
     report["killed"] = [{"name": "n2", "peer_id": nodes[3].status["peer_id"], "after_s": 12.5, "rounds": 1}]
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] == "n2"
@@ -59,7 +60,7 @@ def test_a_killed_node_is_named_and_not_judged_and_a_living_one_that_differs_fai
 
 def test_the_exit_status_wants_convergence_the_end_asked_for_and_the_kill_asked_for() -> None:
     nodes = [node("boot", "aa"), node("n0", "aa", curve=[[10.0, 3.0]]), node("n1", "aa", curve=[[10.0, 3.0]])]
-    report = {**_report(nodes, 30.0, killed=set()), "stop_reason": "trained", "killed": [], "kill_after_s": None}
+    report = {**build(nodes, 30.0, killed=set()), "stop_reason": "trained", "killed": [], "kill_after_s": None}
     assert succeeded(report)
     assert not succeeded({**report, "stop_reason": "n1 exited early"})
     assert not succeeded({**report, "stop_reason": "not trained after 3600 s"})
@@ -75,7 +76,7 @@ def test_the_exit_status_wants_convergence_the_end_asked_for_and_the_kill_asked_
 def test_the_summary_spans_every_nodes_first_and_last_points() -> None:
     nodes = [node("boot", "aa"), node("n0", "aa", curve=[[10.0, 3.0], [20.0, 1.5]])]
     nodes.append(node("n1", "aa", curve=[[10.0, 3.25], [20.0, 1.25]]))
-    report: dict[str, Any] = _report(nodes, 30.0, killed=set())
+    report: dict[str, Any] = build(nodes, 30.0, killed=set())
     _, losses, full = summary_lines(report)
     assert "3.000-3.250 after the first round -> 1.250-1.500 after 2 rounds" in losses
     assert full.endswith(": 2.250-2.500")

@@ -8,43 +8,9 @@ port-randomising (their hosts cannot hole-punch and stay relayed).
 
 The bootstrap node starts the run; the others get its address and the run id, find each
 other through the DHT and the run document, and converge. A live table shows each node's
-view; the JSON report (contract below, extended by later issues, never broken) records
-when each node converged. No process outlives the simulation: children get SIGTERM when
-it ends, SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
-
-Report: {"algorithm": str, "settings": {every run setting: training/settings.py},
-         "wall_s": float, "converged": bool (the bootstrap node and the nodes not killed),
-         "num_nodes": int, "stop_reason": str, "kill_after_s": float | null, "killed":
-         [{"name", "peer_id", "after_s", "rounds"}], "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
-         "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
-         and when it trains: "loss_curve" ([step, loss on the run's curve blocks]),
-         "final_loss" (its last point), "val_rows" (those blocks), "full_val_loss" (the final
-         model on the whole split), "full_val_rows", "full_eval_s", "bytes_sent", "bytes_received"
-         (payloads), "wire_bytes_sent", "wire_bytes_received" (every byte on TCP),
-         "rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s"
-         (the curve's validation), "outer_s" (outer steps with the partner payload's check and the
-         checkpoint's staging), "outer_s_rounds" ([round, outer_s] each), "save_wait_s" (of
-         outer_s: the wait for the run's last checkpoint write), "overlapped_steps"
-         (inner steps taken before a round's outer step landed: outer.overlap),
-         "train_wall_s", "utilization" (compute_s / train_wall_s), "late_join",
-         "payloads_refused" (partner payloads refused: out of bounds, non-finite),
-         "checkpoint_error" (why the last checkpoint could not be written, or null),
-         and for --algorithm zo: "param_hash" (SHA-256 of the final weights),
-         "bytes_per_update", "log_entries", "rebuilds", "rewinds" (late entries replayed from a
-         copy of the weights, not from genesis), "start_round",
-         "checkpoint_round" (a late joiner: the round of the checkpoint it fetched),
-         "g_clipped", "g_silenced" (entries the robust g rule clipped or zeroed),
-         "authors_excluded" (convicted of equivocation), "recoveries" (weights taken
-         from the majority after the weights-hash agreement outvoted this node),
-         and always: "connections" {peer_id: "direct" | "relayed"}, "reachability",
-         "relay_reservations" [relay peer ids], "first_direct_s" (from the node's start to its
-         first direct connection to a peer it had reached by relay; null if none),
-         "nat_timeline" {step: s from the node's start: "asked", "verdict", "reserved", "relayed",
-         "direct"; protocol/net/nat.py NatStatus.timeline}}],
-         "topology": str, "pairs": {"direct", "relayed", "unconnected"} over daemon pairs,
-         "direct_pair_fraction": float}
-Times are seconds since the simulation started; ``ready_s`` is when the node's control API
-first answered (its start-up done), so ``state_converged_s - ready_s`` is network time.
+view; the JSON report (its contract: node/simulate/report.py) records when each node
+converged. No process outlives the simulation: children get SIGTERM when it ends,
+SIGKILL if they linger, and die with it even if it is killed (PR_SET_PDEATHSIG).
 """
 
 import json
@@ -63,6 +29,7 @@ from node import algorithms, api
 from node.errors import ApiError, ConfigError, NodeError
 from node.simulate.children import Child, start_forkserver
 from node.simulate.netbed import Netbed, NetbedUnavailable
+from node.simulate.report import Node, build, links, pair_links, succeeded, summary_lines, when
 from training.settings import RunSettings
 from training.worker_config import check_device
 
@@ -160,24 +127,13 @@ class SimulationOptions:
         return ["--data-shard", f"{index}/{self.num_nodes}", "--device", self.device, *capped, *slow]
 
 
-@dataclass(slots=True)
-class _Node:
-    name: str
-    data_dir: Path
-    process: Child
-    status: dict[str, Any] = field(default_factory=dict)
-    ready_s: float | None = None
-    """When its control API first answered: process start-up is over."""
-    converged_s: float | None = None
-
-
 class _Placement:
     """Where nodes run: all on loopback, or the bootstrap public and each daemon behind a NAT."""
 
     def __init__(self, bed: Netbed | None) -> None:
         self.bed = bed
 
-    def start(self, name: str, base: Path, flags: list[str], *, index: int | None) -> _Node:
+    def start(self, name: str, base: Path, flags: list[str], *, index: int | None) -> Node:
         """``index``: the daemon's number (its NAT); None for the bootstrap node."""
         data_dir = base / name
         data_dir.mkdir(mode=0o700)
@@ -186,7 +142,7 @@ class _Placement:
             listen = f"/ip4/0.0.0.0/tcp/{NAT_PORT}"
             netns = self.bed.netns_path("pub" if index is None else f"host{index}")
         argv = ["--data-dir", str(data_dir), "--listen", listen, "--stop-on-stdin-eof", *flags]
-        return _Node(name, data_dir, Child(argv, data_dir / "node.log", netns=netns))
+        return Node(name, data_dir, Child(argv, data_dir / "node.log", netns=netns))
 
     def bootstrap_addr(self, status: dict[str, Any]) -> str:
         addrs: list[str] = status["addrs"]
@@ -216,7 +172,7 @@ async def _open_placement(options: SimulationOptions) -> _Placement:
     return _Placement(bed)
 
 
-async def _wait_for_api(node: _Node) -> dict[str, Any]:
+async def _wait_for_api(node: Node) -> dict[str, Any]:
     with trio.move_on_after(API_WAIT_S):
         while node.process.poll() is None:
             try:
@@ -233,7 +189,7 @@ def _tail(path: Path, num_lines: int = 15) -> str:
         return "(no log)"
 
 
-async def _poll(node: _Node) -> None:
+async def _poll(node: Node) -> None:
     if node.process.poll() is not None:
         return
     try:
@@ -247,7 +203,7 @@ async def _poll(node: _Node) -> None:
 NO_TTY_EVERY_S = 2.0
 
 
-def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
+def _render(nodes: list[Node], elapsed_s: float, expected_peers: int) -> str:
     rows = [f"swarmtrain simulate: {len(nodes) - 1} nodes + bootstrap, {elapsed_s:5.1f} s"]
     rows.append(
         f"{'node':6} {'peer':10} {'peers':>7} {'members':>7} {'digest':16} {'converged':>9} {'round':>5} "
@@ -269,7 +225,7 @@ def _render(nodes: list[_Node], elapsed_s: float, expected_peers: int) -> str:
     return "\n".join(rows)
 
 
-async def _stop_all(nodes: list[_Node]) -> None:
+async def _stop_all(nodes: list[Node]) -> None:
     """Close each child's lifeline (it stops cleanly), then SIGTERM, then SIGKILL."""
     with trio.CancelScope(shield=True):
         for node in nodes:
@@ -286,7 +242,7 @@ async def _stop_all(nodes: list[_Node]) -> None:
 
 
 async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
-    nodes: list[_Node] = []
+    nodes: list[Node] = []
     start = trio.current_time()
     tty = sys.stdout.isatty()
     placement = await _open_placement(options)
@@ -364,7 +320,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     converged_at = now
                 if placement.bed is not None and links_settled_at is None and _all_pairs_linked(nodes[1:]):
                     links_settled_at = now
-                pairs_now = _pairs(nodes[1:])
+                pairs_now = pair_links(nodes[1:])
                 linked = placement.bed is None or (
                     links_settled_at is not None
                     and pairs_now["unconnected"] == 0
@@ -389,14 +345,14 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     for node in nodes:
         if node.process.returncode not in (0, None) and node.name not in killed:
             print(f"--- {node.name} exited {node.process.returncode}; its log:\n{_tail(node.data_dir / 'node.log')}")
-    report = _report(nodes, wall_s, killed=set(killed))
+    report = build(nodes, wall_s, killed=set(killed))
     report["settings"] = options.settings.to_dict()  # what the run was asked to train, every setting
     report["killed"] = list(killed.values())
     report["kill_after_s"] = options.kill_after_s
     for entry in report["nodes"]:
         entry["killed"] = entry["name"] in killed
         entry["late_join"] = entry["name"] in late_names
-    pairs = _pairs(nodes[1:])
+    pairs = pair_links(nodes[1:])
     total = sum(pairs.values())
     return {
         **report,
@@ -407,28 +363,12 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     }
 
 
-def _links(node: _Node) -> dict[str, str]:
-    links = node.status.get("links")
-    return links if isinstance(links, dict) else {}
-
-
-def _pairs(daemons: list[_Node]) -> dict[str, int]:
-    """Over every pair of daemons: linked directly (by either side's view), only by relay, or not at all."""
-    counts = {"direct": 0, "relayed": 0, "unconnected": 0}
-    for i, a in enumerate(daemons):
-        for b in daemons[i + 1 :]:
-            a_id, b_id = a.status.get("peer_id", ""), b.status.get("peer_id", "")
-            kinds = {_links(a).get(b_id), _links(b).get(a_id)}
-            counts["direct" if "direct" in kinds else "relayed" if "relayed" in kinds else "unconnected"] += 1
-    return counts
-
-
-def _relayed_pairs_retried(daemons: list[_Node]) -> bool:
+def _relayed_pairs_retried(daemons: list[Node]) -> bool:
     """Whether every pair linked only by relay has had an extra hole-punch round end (either side's)."""
     for i, a in enumerate(daemons):
         for b in daemons[i + 1 :]:
             a_id, b_id = a.status.get("peer_id", ""), b.status.get("peer_id", "")
-            if "direct" in {_links(a).get(b_id), _links(b).get(a_id)}:
+            if "direct" in {links(a).get(b_id), links(b).get(a_id)}:
                 continue
             retried = ((a.status.get("nat") or {}).get("punch_retries") or {}).get(b_id, 0)
             retried += ((b.status.get("nat") or {}).get("punch_retries") or {}).get(a_id, 0)
@@ -437,11 +377,11 @@ def _relayed_pairs_retried(daemons: list[_Node]) -> bool:
     return True
 
 
-def _all_pairs_linked(daemons: list[_Node]) -> bool:
-    return _pairs(daemons)["unconnected"] == 0
+def _all_pairs_linked(daemons: list[Node]) -> bool:
+    return pair_links(daemons)["unconnected"] == 0
 
 
-def _kill(victim: _Node, training_s: float) -> dict[str, Any]:
+def _kill(victim: Node, training_s: float) -> dict[str, Any]:
     """SIGKILL ``victim`` (``--kill-after-s``): what the report and the summary say of it."""
     rounds = (victim.status.get("training") or {}).get("rounds")
     kill = {
@@ -450,81 +390,15 @@ def _kill(victim: _Node, training_s: float) -> dict[str, Any]:
         "after_s": round(training_s, 3),
         "rounds": rounds if type(rounds) is int else None,
     }
-    print(f"killing {victim.name} (SIGKILL){_when(kill)}, as asked", flush=True)
+    print(f"killing {victim.name} (SIGKILL){when(kill)}, as asked", flush=True)
     victim.process.send_signal(signal.SIGKILL)
     return kill
 
 
-def _when(kill: dict[str, Any]) -> str:
-    """When a node was killed: its round (if it trained) and the time since training began."""
-    at_round = f" at round {kill['rounds']}," if kill.get("rounds") is not None else ""
-    return f"{at_round} {kill['after_s']:.1f} s into training"
-
-
-def _report(nodes: list[_Node], wall_s: float, *, killed: set[str]) -> dict[str, Any]:
-    """``killed``: nodes killed as asked and not started again: the run is judged without
-    them (their state froze when they died), the bootstrap node and the others with."""
-
-    def entry(node: _Node) -> dict[str, Any]:
-        s = node.status
-        return {
-            "name": node.name,
-            "peer_id": s.get("peer_id", ""),
-            "peers_seen": s.get("peers_seen", 0),
-            "state_converged_s": node.converged_s if node.converged_s is not None else -1.0,
-            "ready_s": node.ready_s if node.ready_s is not None else -1.0,
-            "members": s.get("members", 0),
-            "state_digest": s.get("state_digest"),
-            "exit_code": node.process.returncode,
-            "connections": _links(node),
-            "reachability": s.get("reachability"),
-            "relay_reservations": sorted((s.get("nat") or {}).get("reservations", {})),
-            "first_direct_s": (s.get("nat") or {}).get("first_direct_s"),
-            "nat_timeline": (s.get("nat") or {}).get("timeline", {}),
-            "punch_retries": (s.get("nat") or {}).get("punch_retries", {}),
-            **_training_entry(s.get("training")),
-        }
-
-    daemons = [entry(n) for n in nodes[1:]]
-    algorithm = next((d["algorithm"] for d in daemons if d.get("algorithm")), "none")
-    judged = [n for n in nodes if n.name not in killed]
-    digests = {n.status.get("state_digest") for n in judged}
-    statuses = [n.status.get("training") or {} for n in nodes[1:]]
-    summary = algorithms.algorithm_class(algorithm).summary(statuses) if algorithm in algorithms.MODULES else {}
-    return {
-        "algorithm": algorithm,
-        "wall_s": round(wall_s, 3),
-        "num_nodes": len(daemons),
-        "converged": all(n.converged_s is not None for n in judged) and len(digests) == 1,
-        "bootstrap": entry(nodes[0]) if nodes else {},
-        "nodes": daemons,
-        **summary,
-    }
-
-
-TRAINING_REPORT_KEYS = (
-    *("algorithm", "final_loss", "loss_curve", "bytes_sent", "bytes_received"),
-    *("wire_bytes_sent", "wire_bytes_received"),
-    *("val_rows", "full_val_rows", "full_val_loss", "full_eval_s"),
-    *("rounds", "rounds_with_partner", "compute_s", "sync_wait_s", "eval_s", "outer_s", "overlapped_steps"),
-    *("outer_s_rounds", "save_wait_s"),
-    *("train_wall_s", "utilization"),
-    *("payloads_refused", "checkpoint_error"),
-)
-
-
-def _settled(options: SimulationOptions, nodes: list[_Node]) -> bool:
+def _settled(options: SimulationOptions, nodes: list[Node]) -> bool:
     """Whether the run's algorithm says the finished nodes are done (ZO: one log, all applied)."""
     statuses = [n.status.get("training") or {} for n in nodes]
     return algorithms.algorithm_class(options.settings.algorithm).settled(statuses)
-
-
-def _training_entry(training: dict[str, Any] | None) -> dict[str, Any]:
-    if not training:
-        return {}
-    name = training.get("algorithm")
-    own = algorithms.algorithm_class(name).REPORT_KEYS if name in algorithms.MODULES else ()
-    return {key: training.get(key) for key in TRAINING_REPORT_KEYS + own}
 
 
 def _only_interrupts(exc: BaseException) -> bool:
@@ -621,49 +495,3 @@ def simulate(options: SimulationOptions) -> int:
             f"first direct connection {firsts[0] if firsts else '-'} s after a node started"
         )
     return 0 if succeeded(report) else 1
-
-
-def succeeded(report: dict[str, Any]) -> bool:
-    """The exit status's verdict: the nodes meant to live converged and the run ended as
-    asked (trained, or formed the network), with the kill it was asked for."""
-    killed_as_asked = report.get("kill_after_s") is None or bool(report.get("killed"))
-    return bool(report["converged"]) and report["stop_reason"] in ("converged", "trained") and killed_as_asked
-
-
-def summary_lines(report: dict[str, Any]) -> list[str]:
-    """What a run came to, in its report's own numbers: convergence of the nodes meant to
-    live (a node killed as asked is named, not judged), then the loss curves' first and
-    last points (the same validation blocks each) and the final models' full validation."""
-    killed = report.get("killed") or []
-    judged = [n for n in report["nodes"] if not n.get("killed")]
-    status = "converged" if report["converged"] else "did NOT converge"
-    slowest = max((n["state_converged_s"] for n in judged), default=-1.0)
-    kills = "".join(f"; {k['name']} ({k['peer_id'][-8:]}) killed{_when(k)}, as asked" for k in killed)
-    lines = [
-        f"{len(judged)} nodes {status}{kills}; slowest at {slowest:.2f} s, wall {report['wall_s']:.1f} s",
-    ]
-    if report.get("kill_after_s") is not None and not killed:
-        lines.append(f"no node was killed: the run ended before --kill-after-s {report['kill_after_s']:g}")
-    trained = [n for n in judged if n.get("loss_curve")]
-    if not trained:
-        return lines
-    firsts = [n["loss_curve"][0][1] for n in trained]
-    finals = [n["loss_curve"][-1][1] for n in trained]
-    rows = {n.get("val_rows") for n in trained}
-    num_rows = rows.pop() if len(rows) == 1 else None
-    blocks = "its validation blocks" if num_rows is None else f"{num_rows} validation block{'s' * (num_rows != 1)}"
-    lines.append(
-        f"{report['algorithm']}: loss on {blocks} (the curve) {_span(firsts)} after the first round -> "
-        f"{_span(finals)} after {max(n['rounds'] for n in trained)} rounds"
-    )
-    fulls = [n["full_val_loss"] for n in trained if isinstance(n.get("full_val_loss"), float)]
-    if fulls:
-        full_rows = {n.get("full_val_rows") for n in trained}
-        full_blocks = f"{full_rows.pop()} blocks" if len(full_rows) == 1 and None not in full_rows else "its blocks"
-        lines.append(f"{report['algorithm']}: full validation of the final models ({full_blocks}): {_span(fulls)}")
-    return lines
-
-
-def _span(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f}-{high:.3f}"

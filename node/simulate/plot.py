@@ -7,6 +7,8 @@ last step, labelled as such: the two measure different blocks, and are never joi
 from pathlib import Path
 from typing import Any
 
+from node.simulate.report import shared
+
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
     """Write a PNG of the loss curves in ``report``; ValueError if it holds none."""
@@ -20,7 +22,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     if not curves:
         raise ValueError("the report has no loss curves (was --algorithm none?)")
     fulls = {n.get("name") or n["peer_id"][-8:]: n.get("full_val_loss") for n in report["nodes"]}
-    rows = {n.get("val_rows") for n in report["nodes"] if n.get("loss_curve")}
+    num_rows = shared([n for n in report["nodes"] if n.get("loss_curve")], "val_rows")
     figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
     marked = False
     for name, curve in curves:
@@ -33,7 +35,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     if marked:  # one legend entry for every node's marker, after the nodes'
         axes.plot([], [], marker="x", markersize=8, linestyle="", color="black", label="full validation, final model")
     axes.set_xlabel("inner step")
-    blocks = f"the same {rows.pop()} blocks" if len(rows) == 1 and None not in rows else "the same blocks"
+    blocks = "the same blocks" if num_rows is None else f"the same {num_rows} blocks"
     axes.set_ylabel(f"validation loss on {blocks} (nats/token)")
     algorithm = report.get("algorithm", "?")
     axes.set_title(f"{len(curves)} nodes, {algorithm}, {report.get('wall_s', 0):.0f} s")
