@@ -106,14 +106,26 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str], *, jo
     alone, ran its micro rounds up to ``join_after`` while the second's worker started, and
     the second, finding it ahead, joined from its state at that round and was held there
     before it had saved (offered) anything: the run waited for its offer for good (suspected
-    cause of the offer-wait timeouts in full runs of the suite; not reproduced)."""
+    cause of the offer-wait timeouts in full runs of the suite; not reproduced).
+
+    And the first two write the state of every round up to join_after: a worker writes one
+    checkpoint at a time and skips a round whose end finds the last write still going
+    (training/saver.py), so the state of round join_after + 1 could otherwise never exist
+    while its round is held, and the joiner waited for it past the test's bound (a full
+    run of the suite, 2 cores). Each of round r's ``outbox_free`` (the worker stages the
+    round's end right after it) waits until the state of round r is offered."""
     asked, fetched, started, first_two = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+    offers_moved = [trio.Event()]
+    workers: dict[int, WorkerConnection] = {}
     ready_ids: set[str] = set()
     joining: set[int] = set()
     find = Pairing.find_partner
     heads = StateOffers._heads
     join = StateOffers.join
+    offer = StateOffers.offer
     ready_before = Noloco.ready
+    session = Noloco._session
+    release = Noloco.release_outbox
 
     def joiner(offers: StateOffers) -> bool:
         # ``trainers`` is filled once the first have started: one of them asking before that
@@ -152,6 +164,31 @@ def hold_for_a_joiner(monkeypatch: pytest.MonkeyPatch, trainers: set[str], *, jo
             if joiner(self):
                 fetched.set()
 
+    async def offered(self: StateOffers, saved: Path, round_index: int) -> None:
+        await offer(self, saved, round_index)
+        moved, offers_moved[0] = offers_moved[0], trio.Event()
+        moved.set()
+
+    async def with_worker(self: Noloco, worker: WorkerConnection) -> None:
+        workers[id(self)] = worker
+        await session(self, worker)
+
+    async def written(self: Noloco, *, grace: bool = True) -> None:
+        await release(self, grace=grace)
+        worker = workers[id(self)]
+        round_index = self.ctx.metrics.rounds  # the round whose inner steps just ended
+        if not grace or worker.start_round != 0 or not 0 < round_index <= join_after:
+            return  # the joiner (it starts later) and the rounds after join_after go as they would
+
+        async def until_offered() -> None:
+            while (self.states.service.offer.round if self.states.service.offer else -1) < round_index:
+                await offers_moved[0].wait()
+
+        await worker.while_taking_saved(until_offered)
+
+    monkeypatch.setattr(StateOffers, "offer", offered)
+    monkeypatch.setattr(Noloco, "_session", with_worker)
+    monkeypatch.setattr(Noloco, "release_outbox", written)
     monkeypatch.setattr(Pairing, "find_partner", held)
     monkeypatch.setattr(StateOffers, "_heads", heads_asked)
     monkeypatch.setattr(StateOffers, "join", joined)
