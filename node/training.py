@@ -21,7 +21,7 @@ from node import algorithms
 from node.algorithms import Algorithm, Context, TrainingMetrics
 from node.algorithms.base import thinned
 from node.config import TrainingConfig
-from protocol.net.host import Host
+from protocol.net.hostlike import TensorHostLike
 from protocol.net.peers import PeerTable
 from protocol.net.traffic import TRAFFIC
 from protocol.ratelimit import RateLimit
@@ -112,7 +112,7 @@ def tokenizer_for_run(run: RunSettings, data_path: str | None, cache: Path) -> t
 class TrainingService:
     def __init__(
         self,
-        host: Host,
+        host: TensorHostLike,
         peers: PeerTable,
         config: TrainingConfig,
         state: RunState,

@@ -1,6 +1,6 @@
 """An in-memory network of fake hosts for protocol tests, with seeded faults.
 
-``FakeNetwork`` makes ``FakeHost``s that satisfy ``protocol.net.hostlike.HostLike``: streams are
+``FakeNetwork`` makes ``FakeHost``s that satisfy ``protocol.net.hostlike.TensorHostLike``: streams are
 in-memory pipes, gossip goes straight to every other subscriber, and inbound streams are
 served in the network's nursery under the boundary rule of ``protocol.net.host.Host.set_handler``
 (a banned peer's stream is reset unread, a deadline, ``guard.run``). Time is trio's: under an
@@ -37,6 +37,7 @@ from protocol.net.guard import Guard
 from protocol.net.host import HANDLER_DEADLINE_S
 from protocol.net.hostlike import GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
 from protocol.net.peers import PeerTable
+from protocol.ratelimit import RateLimit
 
 # libp2p's subscription queues hold this many (protocol/net/host.py widens them to 4096).
 GOSSIP_QUEUE_SIZE = 4096
@@ -197,6 +198,30 @@ class FakeHost:
     @property
     def peers(self) -> PeerTable:
         return self.guard.peers
+
+    # --- TensorHostLike: every connection is direct, and tensors may take any of them ---
+
+    def addrs(self) -> list[str]:
+        return [f"/memory/{self.peer_id}/p2p/{self.peer_id}"]
+
+    def direct_ip(self, peer_id: str) -> str | None:
+        return None  # no data channel: bulk bytes take the stream
+
+    @property
+    def private(self) -> bool:
+        return self.behind_nat
+
+    def tensor_refusal(self, peer_id: str) -> str | None:
+        return None
+
+    def tensor_limit(self, peer_id: str, upload: RateLimit) -> RateLimit:
+        return upload
+
+    def forward_data_port(self, port: int) -> None:
+        pass
+
+    def unforward_data_port(self, port: int) -> None:
+        pass
 
     def set_handler(
         self, protocol_id: str, handler: StreamLikeHandler, *, deadline_s: float = HANDLER_DEADLINE_S

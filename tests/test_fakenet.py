@@ -15,7 +15,7 @@ import trio.testing
 
 from protocol import wire
 from protocol.errors import BadMessage, DialError, StreamError
-from protocol.net.hostlike import HostLike, PeerAddrs, StreamLike
+from protocol.net.hostlike import HostLike, PeerAddrs, StreamLike, TensorHostLike
 from protocol.net.peers import BAN_POINTS, PENALTY_DECAY_S
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
@@ -73,6 +73,21 @@ async def publish_all(host: HostLike, num_messages: int) -> list[bytes]:
 
 
 # --- the fake itself ---
+
+
+def test_a_fake_host_has_every_member_a_tensor_host_has() -> None:
+    """The services typed against ``TensorHostLike`` (pairing, saved-state offers, the expert
+    store, payload exchanges) run on a fake host as on a libp2p one."""
+    declared = {
+        name
+        for cls in TensorHostLike.__mro__
+        if getattr(cls, "_is_protocol", False)
+        for name in vars(cls)
+        if not name.startswith("_")
+    }
+    assert {"peer_id", "open_stream", "private", "tensor_refusal", "forward_data_port"} <= declared
+    host = FakeNetwork(1, Faults()).add_host(SEEDS[0])
+    assert [name for name in sorted(declared) if not hasattr(host, name)] == []
 
 
 async def test_gossip_reaches_every_other_subscriber_once_in_order(autojump_clock: trio.testing.MockClock) -> None:

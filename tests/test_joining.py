@@ -239,15 +239,14 @@ async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
         asker, first, ahead, reachable = (net.add_host(bytes([seed]) * 32) for seed in (1, 2, 3, 4))
         for peer in (first, ahead, reachable):
             peer.behind_nat = peer is not reachable
-            peer.tensor_refusal = lambda peer_id: None  # type: ignore[attr-defined]
-        StateOffers(first, "run", None).register()  # type: ignore[arg-type]
+        StateOffers(first, "run", None).register()
         for peer in (ahead, reachable):
             (tmp_path / peer.peer_id).mkdir()
-            offers = StateOffers(peer, "run", tmp_path / peer.peer_id)  # type: ignore[arg-type]
+            offers = StateOffers(peer, "run", tmp_path / peer.peer_id)
             offers.register()
             await offers.offer(saved, 4)
             await offers.service._resolved()  # hashed now: a thread would let the clock jump
-        states = StateOffers(asker, "run", None)  # type: ignore[arg-type]
+        states = StateOffers(asker, "run", None)
         served: list[str] = []
         serve = FakeHost._serve
 

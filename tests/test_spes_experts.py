@@ -435,7 +435,7 @@ async def test_a_heads_session_is_answered_no_faster_than_its_bound_and_one_a_pe
     net = FakeNetwork(1, Faults())
     async with net.running():
         holder_host, asker = net.add_host(SEED_A), net.add_host(SEED_B)
-        holder = ExpertStore(holder_host, RUN)  # type: ignore[arg-type]  # heads need no more than a HostLike
+        holder = ExpertStore(holder_host, RUN)
         holder.configure(4, NBYTES)
         holder.register()
 

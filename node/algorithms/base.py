@@ -10,7 +10,7 @@ if TYPE_CHECKING:  # the registry is imported by `simulate`, which needs none of
 
     from node.config import TrainingConfig
     from node.supervisor import Supervisor
-    from protocol.net.host import Host
+    from protocol.net.hostlike import TensorHostLike
     from protocol.ratelimit import RateLimit
     from protocol.runstate.run import RunService
     from protocol.runstate.state import RunState
@@ -92,7 +92,7 @@ class TrainingMetrics:
 class Context:
     """The node's parts an algorithm works with; built once the run's settings are adopted."""
 
-    host: "Host"
+    host: "TensorHostLike"
     state: "RunState"
     run: "RunSettings"
     """The run's settings (adopted from its manifest)."""

@@ -19,7 +19,7 @@ from node.algorithms.rounds import SEND_TIMEOUT_S, Inbox, PayloadRounds
 from node.supervisor import WorkerConnection, WorkerGone
 from protocol.errors import ProtocolError
 from protocol.net.exchange import Payload, TensorSpec, send_tensors
-from protocol.net.host import Host
+from protocol.net.hostlike import TensorHostLike
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ MAX_ROUNDS_AHEAD = 2
 class DilocoExchange:
     def __init__(
         self,
-        host: Host,
+        host: TensorHostLike,
         *,
         send_timeout_s: float,
         is_member: Callable[[str], bool],

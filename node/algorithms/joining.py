@@ -31,7 +31,7 @@ import trio
 
 from node.algorithms import savedstate
 from protocol.errors import ProtocolError
-from protocol.net.host import Host
+from protocol.net.hostlike import TensorHostLike
 
 logger = logging.getLogger("node.training")
 
@@ -89,7 +89,7 @@ def vouched_round(rounds: list[int]) -> int | None:
 
 
 class StateOffers:
-    def __init__(self, host: Host, run_id: str, directory: Path | None) -> None:
+    def __init__(self, host: TensorHostLike, run_id: str, directory: Path | None) -> None:
         self._run_id = run_id
         self._directory = directory
         self.service = savedstate.ZoCheckpoints(host, run_id, max_nbytes=MAX_STATE_NBYTES, protocol_id=PROTOCOL_ID)

@@ -36,8 +36,7 @@ import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.net.host import Host, Stream
-from protocol.net.hostlike import StreamLike, exchange
+from protocol.net.hostlike import StreamLike, TensorHostLike, exchange
 from protocol.ratelimit import UNLIMITED
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class ZoCheckpoints:
     """Serves our offer and fetches peers'; ``protocol_id`` names what is offered (ZO weights
     by default; node/algorithms/rounds.py offers a φ/Δ node's saved state the same way)."""
 
-    def __init__(self, host: Host, run_id: str, *, max_nbytes: int, protocol_id: str = PROTOCOL_ID) -> None:
+    def __init__(self, host: TensorHostLike, run_id: str, *, max_nbytes: int, protocol_id: str = PROTOCOL_ID) -> None:
         self._host = host
         self._run_id = run_id
         self._max_nbytes = max_nbytes
@@ -181,7 +180,7 @@ class ZoCheckpoints:
                 self.offer = resolved
             return resolved
 
-    async def _serve(self, stream: Stream) -> None:
+    async def _serve(self, stream: StreamLike) -> None:
         with trio.fail_after(HEADER_TIMEOUT_S):
             request = await wire.receive(stream, msg_types=frozenset({"ckpt?"}), version=VERSION, max_nbytes=4096)
         try:

@@ -37,7 +37,7 @@ from protocol import wire
 from protocol.errors import BadMessage, ProtocolError, StreamError
 from protocol.net import data_channel
 from protocol.net.data_channel import DataChannel
-from protocol.net.host import Host, Stream
+from protocol.net.hostlike import StreamLike, TensorHostLike
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _refusal(reply: dict[str, object], peer_id: str) -> ProtocolError:
 
 
 async def send_tensors(
-    host: Host,
+    host: TensorHostLike,
     peer_id: str,
     payload: Payload,
     *,
@@ -279,7 +279,7 @@ class _Lease:
 class TensorReceiver:
     def __init__(
         self,
-        host: Host,
+        host: TensorHostLike,
         accept: Accept,
         *,
         authorize: Authorize,
@@ -305,7 +305,7 @@ class TensorReceiver:
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=2 * self._timeout_s)
 
-    async def _serve(self, stream: Stream) -> None:
+    async def _serve(self, stream: StreamLike) -> None:
         refusal = self._host.tensor_refusal(stream.peer_id)
         if refusal is not None:
             self.num_refused += 1
@@ -338,7 +338,7 @@ class TensorReceiver:
             self._receiving.discard(stream.peer_id)
             lease.release()
 
-    async def _receive(self, stream: Stream, lease: "_Lease") -> Payload:
+    async def _receive(self, stream: StreamLike, lease: "_Lease") -> Payload:
         header = await wire.receive(
             stream, msg_types=frozenset({"tensors"}), version=VERSION, max_nbytes=MAX_HEADER_NBYTES
         )
@@ -361,7 +361,7 @@ class TensorReceiver:
         direct = (
             channel == "direct"
             and self._channel is not None
-            and self._host.nat.status.reachability != "private"
+            and not self._host.private
             and stream.peer_id not in self._no_direct
             and self._channel.has_room(stream.peer_id)
         )

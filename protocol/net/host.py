@@ -356,6 +356,11 @@ class Host:
         """ "direct", "relayed" (only through a relay) or None (not connected)."""
         return self.nat.connection_type(peer_id)
 
+    @property
+    def private(self) -> bool:
+        """AutoNAT found us behind a NAT: nobody can open a connection to our ports."""
+        return bool(self.nat.status.reachability == "private")
+
     def tensor_refusal(self, peer_id: str) -> str | None:
         """Why tensors may not travel between us and ``peer_id`` now, or None if they may.
 

@@ -12,6 +12,8 @@ against either. Nothing here imports libp2p.
     ├── publish, subscribe
     └── punish
     DirectHostLike (NAT traversal): HostLike + addrs, direct_ip
+    TensorHostLike (payloads, saved states, experts): DirectHostLike + private,
+        tensor_refusal, tensor_limit, forward_data_port, unforward_data_port
 
 A host keeps the boundary rule (protocol/net/guard.py): an inbound stream of a banned peer is
 reset unread, a handler runs under a deadline inside ``guard.run``, and every failure of a
@@ -29,6 +31,7 @@ import trio
 from protocol.errors import Overdue, ProtocolError, StreamError
 from protocol.net.guard import Guard
 from protocol.net.peers import PeerTable
+from protocol.ratelimit import RateLimit
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,33 @@ class DirectHostLike(HostLike, Protocol):
 
     def direct_ip(self, peer_id: str) -> str | None:
         """The peer's IPv4 address on our direct TCP connection to it; None if relayed or none."""
+        ...
+
+
+class TensorHostLike(DirectHostLike, Protocol):
+    """A host that carries tensors (payload exchanges, saved-state offers, expert fetches):
+    the policy of which connections may carry them, and the data channel's port."""
+
+    @property
+    def private(self) -> bool:
+        """Nobody can open a connection to us (AutoNAT found us behind a NAT): bulk bytes
+        take the stream, not our data channel's port."""
+        ...
+
+    def tensor_refusal(self, peer_id: str) -> str | None:
+        """Why tensors may not travel between us and ``peer_id`` now, or None if they may."""
+        ...
+
+    def tensor_limit(self, peer_id: str, upload: RateLimit) -> RateLimit:
+        """The rate a tensor upload to ``peer_id`` may use (``upload``, and a relay's cap)."""
+        ...
+
+    def forward_data_port(self, port: int) -> None:
+        """A data channel listens on ``port``: have the router forward it where we can."""
+        ...
+
+    def unforward_data_port(self, port: int) -> None:
+        """The data channel on ``port`` closed."""
         ...
 
 

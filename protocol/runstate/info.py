@@ -20,7 +20,7 @@ import trio
 
 from protocol import wire
 from protocol.errors import BadMessage, ProtocolError
-from protocol.net.host import Host, Stream
+from protocol.net.hostlike import HostLike, StreamLike
 from protocol.runstate.state import RUN_ID_PATTERN
 
 PROTOCOL_ID = "/swarmtrain/info/1.0.0"
@@ -49,8 +49,8 @@ class NodeInfo:
         ]
 
 
-def serve_info(host: Host, info: NodeInfo) -> None:
-    async def serve(stream: Stream) -> None:
+def serve_info(host: HostLike, info: NodeInfo) -> None:
+    async def serve(stream: StreamLike) -> None:
         with trio.fail_after(TIMEOUT_S):
             await wire.receive(stream, msg_types=frozenset({"info?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES)
             fields = {
@@ -65,7 +65,7 @@ def serve_info(host: Host, info: NodeInfo) -> None:
     host.set_handler(PROTOCOL_ID, serve)
 
 
-async def ask_info(host: Host, peer_id: str) -> NodeInfo:
+async def ask_info(host: HostLike, peer_id: str) -> NodeInfo:
     """Ask a connected peer who it is; raises ``ProtocolError``."""
     stream = await host.open_stream(peer_id, PROTOCOL_ID, timeout_s=TIMEOUT_S)
     try:

@@ -93,7 +93,7 @@ from node.algorithms.noloco.lag import LEAD_MEMORY_ROUNDS, MAX_LAG, PULL_AHEAD_R
 from protocol import wire
 from protocol.errors import ProtocolError
 from protocol.net.exchange import Payload, TensorSpec, send_tensors
-from protocol.net.host import Host, Stream
+from protocol.net.hostlike import StreamLike, TensorHostLike
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ class _Pulls:
 class Pairing:
     def __init__(
         self,
-        host: Host,
+        host: TensorHostLike,
         *,
         send_timeout_s: float,
         is_member: Callable[[str], bool],
@@ -651,7 +651,7 @@ class Pairing:
             return "never"
         return "asking" if reply.get("reason") == ASKING else "busy"
 
-    async def _serve(self, stream: Stream) -> None:
+    async def _serve(self, stream: StreamLike) -> None:
         if stream.peer_id in self._asked_by:
             await wire.send(stream, "busy", VERSION, {"retry": True, "reason": "one question at a time"})
             return
@@ -661,7 +661,7 @@ class Pairing:
         finally:
             self._asked_by.discard(stream.peer_id)
 
-    async def _answer(self, stream: Stream) -> None:
+    async def _answer(self, stream: StreamLike) -> None:
         request = await wire.receive(
             stream, msg_types=frozenset({"pair?", "pull?"}), version=VERSION, max_nbytes=MAX_FRAME_NBYTES
         )
@@ -724,7 +724,7 @@ class Pairing:
         scheduled = asker == current.scheduled and current.waiting_for_scheduled()
         return scheduled or (asker == current.asking and not current.pulling)
 
-    async def _answer_pull(self, stream: Stream, round_index: int, nbytes: int) -> None:
+    async def _answer_pull(self, stream: StreamLike, round_index: int, nbytes: int) -> None:
         pulls = self._pulls
         if pulls is None or not 0 <= pulls.index - round_index <= PULL_AHEAD_ROUNDS:
             reason = "not holding that round's payload"

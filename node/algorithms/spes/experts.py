@@ -104,8 +104,7 @@ from protocol import keys, wire
 from protocol.errors import BadMessage, NotSupported, ProtocolError
 from protocol.net import data_channel
 from protocol.net.data_channel import DataChannel
-from protocol.net.host import Host, Stream
-from protocol.net.hostlike import StreamLike, exchange
+from protocol.net.hostlike import StreamLike, TensorHostLike, exchange
 from protocol.ratelimit import UNLIMITED, RateLimit
 
 logger = logging.getLogger(__name__)
@@ -224,7 +223,12 @@ class ExpertStore:
     """The newest version we hold of each expert (our own and fetched), served to peers."""
 
     def __init__(
-        self, host: Host, run_id: str, *, upload_limit: RateLimit = UNLIMITED, channel: DataChannel | None = None
+        self,
+        host: TensorHostLike,
+        run_id: str,
+        *,
+        upload_limit: RateLimit = UNLIMITED,
+        channel: DataChannel | None = None,
     ) -> None:
         """``channel``: our direct data channel for versions we fetch (its ``per_peer`` at
         least MAX_PARALLEL_FETCHES, running before the first fetch); None: streams only."""
@@ -386,7 +390,7 @@ class ExpertStore:
             self._sessionless[peer_id] = trio.current_time() + SESSIONLESS_S
             answered(peer_id, (await self.heads(peer_id))[1])
 
-    async def _serve_session(self, stream: Stream) -> None:
+    async def _serve_session(self, stream: StreamLike) -> None:
         """One peer's heads session: its asks answered at most every MIN_ASK_INTERVAL_S,
         SESSION_ASKS of them, while it asks within SESSION_IDLE_S; a new session of the same
         peer ends this one."""
@@ -504,11 +508,7 @@ class ExpertStore:
             open_timeout_s=HEADER_TIMEOUT_S,
         ) as stream:
             # Behind a NAT nobody can open a connection to our data port: the bytes take the stream.
-            direct = (
-                self._channel is not None
-                and self._host.nat.status.reachability != "private"
-                and not self._channel_failed(peer_id)
-            )
+            direct = self._channel is not None and not self._host.private and not self._channel_failed(peer_id)
             request = {"run": self._run_id, "expert": expert, "sha256": sha256, "channel": CHANNEL if direct else 0}
             await wire.send(stream, "get", VERSION, request)
             try:
@@ -664,7 +664,7 @@ class ExpertStore:
             except ProtocolError as exc:
                 logger.debug("expert %d from %s: %s", head.expert, peer_id, exc)
 
-    async def _serve(self, stream: Stream) -> None:
+    async def _serve(self, stream: StreamLike) -> None:
         with trio.fail_after(HEADER_TIMEOUT_S):
             request = await wire.receive(
                 stream, msg_types=frozenset({"heads?", "get"}), version=VERSION, max_nbytes=4096

@@ -32,7 +32,7 @@ from node.algorithms.zo import zolog, zosync
 from node.algorithms.zo.journal import Journal
 from node.supervisor import WorkerConnection, WorkerGone
 from protocol.errors import ProtocolError
-from protocol.net.host import Host
+from protocol.net.hostlike import TensorHostLike
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def outvoted(ours: str, heads: dict[str, str]) -> tuple[str, list[str]] | None:
 class ZoRounds:
     def __init__(
         self,
-        host: Host,
+        host: TensorHostLike,
         *,
         run_id: str,
         identity_seed: bytes,
