@@ -228,8 +228,8 @@ async def test_a_starting_node_asks_a_peer_behind_a_nat_once_connected(
     (a third reader's finding against racing two asks)."""
     from node.algorithms import joining
     from protocol.net.hostlike import PeerAddrs
+    from protocol.net.memnet import FakeHost, FakeNetwork, Faults
     from protocol.net.peers import PENALTY_POINTS
-    from tests.fakenet import FakeHost, FakeNetwork, Faults
 
     assert PUNCH_AFTER_S < joining.AHEAD_ASK_S
     saved = tmp_path / "worker.ckpt"

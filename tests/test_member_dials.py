@@ -14,10 +14,10 @@ import trio.testing
 
 from protocol.errors import DialError
 from protocol.net.hostlike import PeerAddrs
+from protocol.net.memnet import FakeHost, FakeNetwork, Faults
 from protocol.runstate.dials import MAX_DIALS_PER_MEMBER
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
-from tests.fakenet import FakeHost, FakeNetwork, Faults
 
 RUN = "dials-abc123"
 PRIVATE = ("/ip4/192.168.3.2/tcp/4001",)

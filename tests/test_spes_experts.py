@@ -20,7 +20,7 @@ from protocol.errors import BadMessage, ProtocolError, StreamError
 from protocol.net import data_channel
 from protocol.net.data_channel import DataChannel
 from protocol.net.host import Host, Stream, open_host, parse_dial_addr
-from tests.fakenet import FakeNetwork, FakeStream, Faults
+from protocol.net.memnet import FakeNetwork, FakeStream, Faults
 from training.encodings import expert_versions
 from training.encodings.experts import Chain
 

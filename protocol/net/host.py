@@ -59,9 +59,9 @@ from protocol.net.addrs import check_listen_addr as check_listen_addr  # re-expo
 from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of, socket_under
 from protocol.net.dialback import DialbackServer
 from protocol.net.guard import Guard
+from protocol.net.hostlike import HANDLER_DEADLINE_S, serve_guarded
 from protocol.net.hostlike import GossipMessage as GossipMessage  # re-exported: defined without libp2p
 from protocol.net.hostlike import PeerAddrs as PeerAddrs
-from protocol.net.hostlike import serve_guarded
 from protocol.net.libp2p_fixes import guard_host
 from protocol.net.nat import CIRCUIT_PEER_DIRECT_S, DIRECT_FIRST_TIMEOUT_S, Nat, NatPolicy, is_circuit
 from protocol.net.peers import PeerTable
@@ -91,9 +91,6 @@ for _module in (_libp2p_kad_dht, _libp2p_peer_routing, _libp2p_provider_store):
     _module.QUERY_TIMEOUT = DHT_QUERY_TIMEOUT_S
 # Closing waits for libp2p's services and connections; it takes milliseconds on loopback.
 HOST_CLOSE_TIMEOUT_S = 5.0
-# An inbound stream's handler ends within this unless its protocol sets its own bound:
-# our control exchanges take milliseconds, and a peer that stalls must not hold a task.
-HANDLER_DEADLINE_S = 30.0
 # Closing or resetting a stream writes one yamux frame: bounded, so a dead connection never
 # holds a shielded close for long.
 STREAM_CLOSE_TIMEOUT_S = 5.0

@@ -1,7 +1,7 @@
 """What the run's protocols need of a host, as ``typing.Protocol``s: the seam for tests.
 
 ``protocol/net/host.py``'s ``Host`` (libp2p) and ``Stream`` satisfy these structurally; an
-in-memory network (tests/fakenet.py) does too, so RunService, StateSync and ZoLogSync run
+in-memory network (protocol/net/memnet.py) does too, so RunService, StateSync and ZoLogSync run
 against either. Nothing here imports libp2p.
 
     HostLike                       StreamLike
@@ -32,6 +32,10 @@ from protocol.errors import Overdue, ProtocolError, StreamError
 from protocol.net.guard import Guard
 from protocol.net.peers import PeerTable
 from protocol.ratelimit import RateLimit
+
+# An inbound stream's handler ends within this unless its protocol sets its own bound:
+# our control exchanges take milliseconds, and a peer that stalls must not hold a task.
+HANDLER_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)

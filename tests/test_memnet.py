@@ -15,12 +15,13 @@ import trio.testing
 
 from protocol import wire
 from protocol.errors import BadMessage, DialError, StreamError
+from protocol.net import memnet
 from protocol.net.hostlike import HostLike, PeerAddrs, StreamLike, TensorHostLike
+from protocol.net.memnet import Delivery, FakeHost, FakeNetwork, Faults
 from protocol.net.peers import BAN_POINTS, PENALTY_DECAY_S
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
 from tests.conftest import wait_until
-from tests.fakenet import Delivery, FakeHost, FakeNetwork, Faults
 
 TOPIC = "/test/1"
 ECHO = "/test/echo/1"
@@ -146,6 +147,52 @@ async def test_streams_carry_bytes_and_end(autojump_clock: trio.testing.MockCloc
             await stream.read_exact(1)
         assert hosts[1].peers.penalty(hosts[0].peer_id) == 0
         assert hosts[0].peer_id in hosts[1].connected_peers()
+
+
+async def test_latency_and_traffic_are_per_link_and_per_label(autojump_clock: trio.testing.MockClock) -> None:
+    """Each peer pays for what it sends and receives under the stream's protocol id (its
+    bytes, a frame's overhead, the opening) or gossip's label (the mesh's copies)."""
+    net = FakeNetwork(3, Faults(), latency=lambda a, b: 0.05, gossip_label=lambda data: f"gossip:{data[:1].decode()}")
+    async with gossiping(net, 2) as (hosts, heard):
+        a, b = hosts
+        began = trio.current_time()
+        stream = await a.open_stream(b.peer_id, ECHO, timeout_s=5)
+        await wire.send(stream, "ping", 1, {})
+        await wire.read_frame(stream, max_nbytes=64)
+        assert trio.current_time() - began == pytest.approx(0.1)  # there and back
+        await stream.close()
+        await a.publish(TOPIC, b"h" * 20)
+        await trio.sleep(0.05)  # virtual: the one-way latency
+        await trio.testing.wait_all_tasks_blocked()
+        assert heard[1] == [(a.peer_id, b"h" * 20)]
+    sent = len(wire.frame(wire.encode("ping", 1, {})))
+    opening = memnet.STREAM_OPEN_NBYTES + len(ECHO)
+    wrote = sent + memnet.STREAM_FRAME_NBYTES
+    assert net.traffic[(a.peer_id, ECHO)] == [opening + wrote, opening + wrote]
+    assert net.traffic[(b.peer_id, ECHO)] == [opening + wrote, opening + wrote]
+    gossiped = memnet.GOSSIP_COPIES * (memnet.GOSSIP_FRAME_NBYTES + 20)
+    assert net.traffic[(a.peer_id, "gossip:h")] == [0, gossiped]
+    assert net.traffic[(b.peer_id, "gossip:h")] == [gossiped, gossiped]
+
+
+async def test_a_removed_host_is_gone_for_everyone(autojump_clock: trio.testing.MockClock) -> None:
+    net = FakeNetwork(4, Faults(), keep_log=False)
+    async with gossiping(net, 3) as (hosts, heard):
+        a, b, _ = hosts
+        stream = await a.open_stream(b.peer_id, ECHO, timeout_s=5)
+        net.remove_host(b.peer_id)
+        with pytest.raises(StreamError):
+            await wire.send(stream, "ping", 1, {})
+            await stream.read_exact(1)
+        assert b.peer_id not in a.connected_peers()
+        with pytest.raises(StreamError, match="unreachable"):
+            await a.open_stream(b.peer_id, ECHO, timeout_s=5)
+        with pytest.raises(DialError):
+            await a.connect(PeerAddrs(b.peer_id, ()), timeout_s=5)
+        await a.publish(TOPIC, b"after")
+        await trio.testing.wait_all_tasks_blocked()
+        assert heard[2] == [(a.peer_id, b"after")] and heard[1] == []
+    assert net.log == [] and net.fates["delivered"] >= 1  # counted, not kept
 
 
 async def test_a_dropped_chunk_breaks_the_stream(autojump_clock: trio.testing.MockClock) -> None:

@@ -20,8 +20,22 @@ Fault model (``Faults``), every draw from one ``random.Random(seed)``:
                other (dials fail, streams across the cut break, gossip is not delivered)
                until ``heal()``; a ban cuts a pair the same way (protocol/net/libp2p_fixes.py)
 
-Every fate lands in ``log``: the same seed and the same sequence of calls give the same log
-(under concurrency trio's scheduler may order the calls differently from run to run).
+Every fate lands in ``log`` (unless ``keep_log`` is off: a scale run keeps counts only):
+the same seed and the same sequence of calls give the same log (under concurrency trio's
+scheduler may order the calls differently from run to run).
+
+For scale runs (bench/scale.py), beside the faults:
+
+    latency    ``latency(a, b)``: seconds one way between two peers, added to each
+               gossip delivery and stream write
+    traffic    ``traffic``: bytes in and out per (peer, label), a stream's label its
+               protocol id, gossip's ``gossip_label(data)``; a stream write costs its bytes
+               plus STREAM_FRAME_NBYTES, a stream's opening STREAM_OPEN_NBYTES plus its
+               protocol id each way; a gossip message GOSSIP_FRAME_NBYTES plus its bytes,
+               GOSSIP_COPIES times in and out at each receiver and out at its publisher (a
+               GossipSub mesh of that degree forwards each message to its mesh peers; the
+               delivery itself reaches every subscriber once)
+    churn      ``remove_host``: a host gone without a word (its links break, dials fail)
 """
 
 import random
@@ -34,13 +48,20 @@ import trio
 from protocol import keys
 from protocol.errors import DialError, StreamError
 from protocol.net.guard import Guard
-from protocol.net.host import HANDLER_DEADLINE_S
-from protocol.net.hostlike import GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
+from protocol.net.hostlike import HANDLER_DEADLINE_S, GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
 from protocol.net.peers import PeerTable
 from protocol.ratelimit import RateLimit
 
 # libp2p's subscription queues hold this many (protocol/net/host.py widens them to 4096).
 GOSSIP_QUEUE_SIZE = 4096
+# The traffic model (see the module docstring): yamux's 12-byte header and Noise's 16-byte
+# tag on each write; a stream's yamux SYN and multistream-select's negotiation; a GossipSub
+# message's from, seqno, topic, signature and key (~180 bytes) in its RPC frame; GossipSub's
+# default mesh degree D.
+STREAM_FRAME_NBYTES = 28
+STREAM_OPEN_NBYTES = 64
+GOSSIP_FRAME_NBYTES = 180
+GOSSIP_COPIES = 6
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,6 +145,8 @@ class _Link:
 
     a: str
     b: str
+    label: str = ""
+    """The stream's protocol id (the traffic it carries is counted under it)."""
     a_to_b: _Pipe = field(default_factory=_Pipe)
     b_to_a: _Pipe = field(default_factory=_Pipe)
 
@@ -239,7 +262,7 @@ class FakeHost:
         if protocol_id not in target._handlers:
             raise StreamError(f"open {protocol_id} to {peer_id} failed: protocol not supported")
         self._link_up(target)
-        ours, theirs = self._net._open_link(self.peer_id, peer_id)
+        ours, theirs = self._net._open_link(self.peer_id, peer_id, protocol_id)
         self._net.nursery.start_soon(target._serve, protocol_id, theirs)
         return ours
 
@@ -298,11 +321,28 @@ class FakeHost:
 class FakeNetwork:
     """Fake hosts, their links, and the faults between them (see the module docstring)."""
 
-    def __init__(self, seed: int, faults: Faults) -> None:
+    def __init__(
+        self,
+        seed: int,
+        faults: Faults,
+        *,
+        latency: Callable[[str, str], float] | None = None,
+        gossip_label: Callable[[bytes], str] | None = None,
+        keep_log: bool = True,
+    ) -> None:
         self.random = random.Random(seed)
         self.faults = faults
+        self.latency = latency
+        """Seconds one way between two peers (added to the faults' delay); None: none."""
+        self.gossip_label = gossip_label
+        """The traffic label of a gossip message's bytes; None: "gossip"."""
+        self.keep_log = keep_log
         self.hosts: dict[str, FakeHost] = {}
         self.log: list[Delivery] = []
+        self.traffic: dict[tuple[str, str], list[int]] = {}
+        """(peer, label) → [bytes in, bytes out]."""
+        self.fates: dict[str, int] = {}
+        """How many deliveries met each fate (kept with or without the log)."""
         self._side: dict[str, int] = {}
         self._links: list[_Link] = []
         self._nursery: trio.Nursery | None = None
@@ -328,6 +368,26 @@ class FakeNetwork:
         self.hosts[host.peer_id] = host
         return host
 
+    def remove_host(self, peer_id: str) -> None:
+        """``peer_id`` is gone without a word (a crash, a pulled cable): its streams break,
+        its connections end, and nobody reaches it from now on."""
+        self._cut(lambda a, b: peer_id in (a, b), "the peer is gone")
+        host = self.hosts.pop(peer_id, None)
+        if host is not None:
+            host._connected.clear()
+
+    # --- traffic ---
+
+    def _count(self, peer_id: str, label: str, nbytes_in: int, nbytes_out: int) -> None:
+        counts = self.traffic.get((peer_id, label))
+        if counts is None:
+            counts = self.traffic[(peer_id, label)] = [0, 0]
+        counts[0] += nbytes_in
+        counts[1] += nbytes_out
+
+    def _one_way_s(self, a: str, b: str) -> float:
+        return self._delay_s() + (self.latency(a, b) if self.latency is not None else 0.0)
+
     # --- partitions ---
 
     def partition(self, *groups: Iterable[str]) -> None:
@@ -339,9 +399,13 @@ class FakeNetwork:
         self._side = {}
 
     def reachable(self, a: str, b: str) -> bool:
-        """Not across a partition, and neither has banned the other (bans close connections)."""
-        return self._same_side(a, b) and not any(
-            self.hosts[x].guard.banned(y) for x, y in ((a, b), (b, a)) if x in self.hosts
+        """Both on the network, not across a partition, and neither has banned the other
+        (bans close connections)."""
+        return (
+            a in self.hosts
+            and b in self.hosts
+            and self._same_side(a, b)
+            and not any(self.hosts[x].guard.banned(y) for x, y in ((a, b), (b, a)) if x in self.hosts)
         )
 
     def _same_side(self, a: str, b: str) -> bool:
@@ -376,12 +440,17 @@ class FakeNetwork:
         return "corrupted", bytes(flipped)
 
     def _record(self, kind: str, fate: str, sender: str, receiver: str, data: bytes) -> None:
-        self.log.append(Delivery(trio.current_time(), kind, fate, sender, receiver, data))
+        self.fates[fate] = self.fates.get(fate, 0) + 1
+        if self.keep_log:
+            self.log.append(Delivery(trio.current_time(), kind, fate, sender, receiver, data))
 
     # --- streams ---
 
-    def _open_link(self, a: str, b: str) -> tuple[FakeStream, FakeStream]:
-        link = _Link(a, b)
+    def _open_link(self, a: str, b: str, label: str = "") -> tuple[FakeStream, FakeStream]:
+        link = _Link(a, b, label)
+        opening = STREAM_OPEN_NBYTES + len(label)
+        self._count(a, label, opening, opening)
+        self._count(b, label, opening, opening)
         self._links = [old for old in self._links if not old.done()]
         self._links.append(link)
         ours = FakeStream(self, link, a, b, inbox=link.b_to_a, outbox=link.a_to_b)
@@ -389,8 +458,7 @@ class FakeNetwork:
 
     async def _carry(self, link: _Link, sender: str, receiver: str, pipe: _Pipe, data: bytes) -> None:
         """One stream write: its delay in the writer (bytes stay in order), then its fate."""
-        delay_s = self._delay_s()
-        await trio.sleep(delay_s)
+        await trio.sleep(self._one_way_s(sender, receiver))
         if pipe.broken is not None:  # reset while the bytes travelled
             raise StreamError(f"write failed: stream {pipe.broken}")
         if not self.reachable(sender, receiver):
@@ -402,11 +470,16 @@ class FakeNetwork:
         else:
             fate, data = self._maybe_corrupt(data)
             self._record("stream", fate, sender, receiver, data)
+            nbytes = len(data) + STREAM_FRAME_NBYTES
+            self._count(sender, link.label, 0, nbytes)
+            self._count(receiver, link.label, nbytes, 0)
             pipe.put(data)
 
     # --- gossip ---
 
     def _gossip(self, sender: str, topic: str, data: bytes) -> None:
+        label = self.gossip_label(data) if self.gossip_label is not None else "gossip"
+        self._count(sender, label, 0, GOSSIP_COPIES * (GOSSIP_FRAME_NBYTES + len(data)))
         for receiver in sorted(self.hosts):
             if receiver == sender or not self.hosts[receiver]._subscriptions.get(topic):
                 continue
@@ -419,7 +492,7 @@ class FakeNetwork:
             copies = 2 if self.random.random() < self.faults.duplicate else 1
             for _ in range(copies):
                 fate, payload = self._maybe_corrupt(data)
-                delay_s = self._delay_s()
+                delay_s = self._one_way_s(sender, receiver)
                 if delay_s:
                     self.nursery.start_soon(self._deliver_later, delay_s, fate, sender, receiver, topic, payload)
                 else:  # at once, in order: tasks woken together run in an order trio shuffles
@@ -432,9 +505,12 @@ class FakeNetwork:
         self._deliver(fate, sender, receiver, topic, data)
 
     def _deliver(self, fate: str, sender: str, receiver: str, topic: str, data: bytes) -> None:
-        if not self.reachable(sender, receiver):  # a partition began while it travelled
+        if receiver not in self.hosts or not self.reachable(sender, receiver):  # cut while it travelled
             self._record("gossip", "cut", sender, receiver, data)
             return
+        label = self.gossip_label(data) if self.gossip_label is not None else "gossip"
+        nbytes = GOSSIP_COPIES * (GOSSIP_FRAME_NBYTES + len(data))
+        self._count(receiver, label, nbytes, nbytes)
         for channel in list(self.hosts[receiver]._subscriptions.get(topic, [])):
             try:
                 channel.send_nowait(GossipMessage(sender, data))
