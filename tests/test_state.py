@@ -11,6 +11,7 @@ from pycrdt import Array, Doc, Map, Text
 
 from protocol import keys
 from protocol.errors import BadMessage, UnsupportedVersion
+from protocol.runstate import state as state_module
 from protocol.runstate.state import (
     FORMAT_VERSION,
     MAX_DOC_NBYTES,
@@ -92,6 +93,40 @@ def test_applying_the_same_update_twice_changes_nothing() -> None:
     changes = b.num_changes
     assert b.apply_remote(update) is False
     assert b.num_changes == changes
+
+
+def test_an_update_that_holds_nothing_new_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A settled run's pulls and pushes mostly bring what we hold: not decoded or re-read
+    (each read parses every member record: at 64 nodes in bench/scale.py, most of the
+    protocol's CPU)."""
+    a, b = populated(), RunState(RUN)
+    sync(a, b)
+    reads = []
+    read = state_module._read
+    monkeypatch.setattr(state_module, "_read", lambda *args: reads.append(1) or read(*args))
+    assert b.apply_remote(a.diff(b.state_vector())) is False  # the structs known, the delete set too
+    assert b.apply_remote(a.encode()) is False
+    assert reads == []
+    a.put_member(member(PEER_B))
+    reads.clear()  # a's own write read its document
+    assert b.apply_remote(a.diff(b.state_vector())) is True and len(reads) == 2  # read, then reloaded
+    assert PEER_B in b.members
+
+
+def test_a_deletion_alone_is_new_though_every_struct_is_known() -> None:
+    """An eviction moves no clock we lack, only the delete set: it is still taken."""
+    a, b = populated(), RunState(RUN)
+    a.put_member(member(PEER_B))
+    sync(a, b)
+    before = b.state_vector()
+    a.evict([PEER_B])
+    update = a.diff(before)
+    assert b.state_vector() == before and a.state_vector() == before  # a deletion moves no clock
+    assert b.apply_remote(update) is True
+    assert b.stale() == [PEER_B]  # out of b's document; its view keeps it (a delete by anyone)
+    fresh = RunState(RUN)
+    fresh.apply_remote(b.encode())
+    assert PEER_B not in fresh.members  # gone from b's document, as from a's
 
 
 def test_manifest_is_written_once_and_only_by_its_creator() -> None:

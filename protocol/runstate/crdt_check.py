@@ -36,6 +36,7 @@ client, counts the data cannot hold, more than ``max_structs`` structs, trailing
 and new structs under the reader's own client id (only it writes there).
 """
 
+import bisect
 from dataclasses import dataclass
 
 from protocol.errors import BadMessage
@@ -57,6 +58,8 @@ class UpdateShape:
     num_structs: int
     clients: dict[int, tuple[int, int]]
     """client → (first clock, clock after the last struct)."""
+    deleted: dict[int, list[tuple[int, int]]]
+    """The delete set: client → its ranges (first clock, clock after the range), as written."""
 
 
 class _Reader:
@@ -193,17 +196,42 @@ def check_update(data: bytes, *, max_structs: int, own_client: int | None = None
         if client == own_client and clock > own_clock:
             raise BadMessage("CRDT update writes under our own client id")
         clients[client] = (first, clock)
-    deleted: set[int] = set()
+    deleted: dict[int, list[tuple[int, int]]] = {}
     for _ in range(reader.count(2, "delete-set client")):
         client = reader.varuint()
         if client > MAX_CLIENT or client in deleted:
             raise BadMessage("CRDT delete set names a client twice or out of range")
-        deleted.add(client)
+        ranges = deleted[client] = []
         for _ in range(reader.count(2, "delete range")):
-            _clock_range(reader.varuint(), reader.varuint())
+            start = reader.varuint()
+            ranges.append((start, _clock_range(start, reader.varuint())))
     if reader.left:
         raise BadMessage(f"CRDT update followed by {reader.left} stray bytes")
-    return UpdateShape(num_structs, clients)
+    return UpdateShape(num_structs, clients, deleted)
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (first, end) sorted, with overlapping and adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def covers(ours: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[int, int]]]) -> bool:
+    """Whether every range of ``theirs`` lies inside one of ``ours`` (each client's ranges
+    ``merged``): a delete set that deletes nothing we have not deleted."""
+    for client, ranges in theirs.items():
+        mine = ours.get(client, [])
+        starts = [start for start, _ in mine]
+        for start, end in ranges:
+            at = bisect.bisect_right(starts, start) - 1
+            if at < 0 or mine[at][1] < end:
+                return False
+    return True
 
 
 def check_state_vector(data: bytes) -> dict[int, int]:

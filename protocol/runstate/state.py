@@ -366,6 +366,9 @@ class RunState:
         self._doc: Doc[Any] = Doc()
         self._good = bytes(self._doc.get_update())
         """The document's last checked encoding: each remote update starts from it."""
+        self._deleted_in: bytes | None = None
+        self._deleted_ranges: dict[int, list[tuple[int, int]]] = {}
+        """``_deleted``'s cache: the delete set of ``_deleted_in`` (``_good`` when it was read)."""
         self._manifest: Manifest | None = None
         self._in_doc: dict[str, MemberRecord] = {}
         """The member records the document shows now."""
@@ -389,6 +392,10 @@ class RunState:
     @property
     def members(self) -> dict[str, MemberRecord]:
         return dict(self._members)
+
+    def has_member(self, peer_id: str) -> bool:
+        """Whether our view holds a record of ``peer_id`` (``members`` without its copy)."""
+        return peer_id in self._members
 
     @property
     def leases(self) -> dict[int, LeaseRecord]:
@@ -507,9 +514,15 @@ class RunState:
         _need(len(update) <= MAX_DOC_NBYTES, f"update of {len(update)} bytes is too large")
         ours = crdt_check.check_state_vector(self.state_vector())
         client_id = self._doc.client_id
-        crdt_check.check_update(
+        shape = crdt_check.check_update(
             update, max_structs=MAX_UPDATE_STRUCTS, own_client=client_id, own_clock=ours.get(client_id, 0)
         )
+        if all(end <= ours.get(c, 0) for c, (_, end) in shape.clients.items()) and crdt_check.covers(
+            self._deleted(), shape.deleted
+        ):
+            # Every struct is one we hold, every deletion one we made: nothing new (most
+            # pulls and pushed updates of a settled run). Not decoded, not copied, not read.
+            return False
         # The scratch copy takes our client id: once it passes, it *becomes* our document, so
         # the update is decoded once and a native panic can only ever hit the scratch copy.
         scratch: Doc[Any] = Doc(client_id=client_id)
@@ -532,6 +545,18 @@ class RunState:
         self._doc, self._good = scratch, encoded
         self._adopt(content)
         return True
+
+    def _deleted(self) -> dict[int, list[tuple[int, int]]]:
+        """Our document's delete set, each client's ranges merged (read from ``_good``
+        once per change of it)."""
+        if self._deleted_in is not self._good:
+            try:
+                shape = crdt_check.check_update(self._good, max_structs=crdt_check.MAX_CLOCK)
+            except BadMessage:  # never seen: then no update counts as nothing new
+                shape = crdt_check.UpdateShape(0, {}, {})
+            self._deleted_ranges = {c: crdt_check.merged(r) for c, r in shape.deleted.items()}
+            self._deleted_in = self._good
+        return self._deleted_ranges
 
     def load(self, update: bytes) -> None:
         """Restore a saved document (same checks as a remote update)."""
