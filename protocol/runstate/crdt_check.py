@@ -64,7 +64,7 @@ class UpdateShape:
 
 class _Reader:
     def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
+        self._data = bytes(data)  # indexing bytes gives ints: the reads below are the hot path of every sync
         self.offset = 0
 
     @property
@@ -76,16 +76,22 @@ class _Reader:
             raise BadMessage("CRDT data ends early")
         value = self._data[self.offset]
         self.offset += 1
-        return int(value)
+        return value
 
     def varuint(self) -> int:
+        data, offset = self._data, self.offset
+        end = min(len(data), offset + 10)
         value = shift = 0
-        for _ in range(10):
-            byte = self.byte()
+        while offset < end:
+            byte = data[offset]
+            offset += 1
             value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
+            if byte < 0x80:
+                self.offset = offset
                 return value
+            shift += 7
+        if offset - self.offset < 10:
+            raise BadMessage("CRDT data ends early")
         raise BadMessage("CRDT varint longer than 10 bytes")
 
     def skip(self, nbytes: int) -> bytes:
