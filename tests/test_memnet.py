@@ -15,11 +15,11 @@ import trio.testing
 
 from protocol import wire
 from protocol.errors import BadMessage, DialError, StreamError
-from protocol.net import memnet
+from protocol.net import gossip, memnet
 from protocol.net.hostlike import HostLike, PeerAddrs, StreamLike, TensorHostLike
 from protocol.net.memnet import Delivery, FakeHost, FakeNetwork, Faults
 from protocol.net.peers import BAN_POINTS, PENALTY_DECAY_S
-from protocol.runstate.run import RunService
+from protocol.runstate.run import ANTI_ENTROPY_IDLE_S, TTL_HEARTBEATS, RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
 from tests.conftest import wait_until
 
@@ -405,3 +405,42 @@ async def test_a_partition_diverges_then_heals_and_converges(autojump_clock: tri
         await wait_until(lambda: agreed(services, both), lambda: changes(services), timeout_s=60)
     for host in net.hosts.values():
         assert not any(host.peers.is_banned(p) or host.peers.penalty(p) for p in ids)  # no corruption: no blame
+
+
+async def test_a_heartbeat_announcing_an_hour_buys_no_more_than_our_view_allows(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A heartbeat's interval is believed up to twice what ours would be: in a run of three
+    a peer claiming an hour between heartbeats is live for 3 such intervals of ours, not 3
+    hours (it would hold a pairing window or a ZO wait that long after it left)."""
+    net = FakeNetwork(5, Faults())
+    async with run_services(net, 3) as services:
+        ids = list(net.hosts)
+        liar = net.add_host(SEEDS[5])
+        await wait_until(lambda: agreed(services, dict.fromkeys(ids, 1)), lambda: changes(services), timeout_s=60)
+        beat = gossip.Heartbeat(digest=services[0].state.digest, role="trainer", every_s=3600)
+        await liar.publish(gossip.topic(RUN), gossip.encode(beat))
+        await trio.testing.wait_all_tasks_blocked()
+        watcher = services[0]
+        assert watcher.peers.is_live(liar.peer_id)
+        believed = TTL_HEARTBEATS * 2 * watcher.heartbeat_every_s()
+        await trio.sleep(max(watcher.peers.ttl_s, believed) + 0.1)
+        assert not watcher.peers.is_live(liar.peer_id)
+
+
+async def test_a_settled_run_pulls_once_a_minute_not_every_few_seconds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Anti-entropy pulls from a peer whose digest differs from ours; while all agree, once
+    in ANTI_ENTROPY_IDLE_S (each pull sends our state vector: ~10 bytes per author)."""
+    net = FakeNetwork(6, Faults())
+    async with run_services(net, 4) as services:
+        ids = list(net.hosts)
+        await wait_until(lambda: agreed(services, dict.fromkeys(ids, 1)), lambda: changes(services), timeout_s=60)
+        await trio.sleep(10.0)  # virtual: the last joiner's pulls are over
+        before = [s.num_pulls for s in services]
+        await trio.sleep(10 * ANTI_ENTROPY_IDLE_S)
+        pulls = [s.num_pulls - b for s, b in zip(services, before, strict=True)]
+        # Every anti_entropy_interval_s (2 s here) before: 300 pulls each.
+        assert all(p <= 11 for p in pulls), pulls
+        assert agreed(services, dict.fromkeys(ids, 1))

@@ -2,7 +2,7 @@
 
 import trio
 
-from protocol.net.peers import BAN_POINTS, BAN_S, PENALTY_DECAY_S, PeerTable
+from protocol.net.peers import BAN_POINTS, BAN_S, FORGET_S, PENALTY_DECAY_S, PeerTable
 
 
 async def test_peer_expires_after_ttl(autojump_clock: trio.testing.MockClock) -> None:
@@ -65,3 +65,35 @@ async def test_penalties_are_forgiven_slowly_so_rare_slips_never_ban(autojump_cl
         table.penalize("a", "garbage")
     await trio.sleep(PENALTY_DECAY_S / 2)
     assert table.penalize("a", "garbage") is True
+
+
+async def test_a_peer_that_announced_rarer_heartbeats_stays_live_that_long(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    table = PeerTable(ttl_s=3.0)
+    table.seen("a", ttl_s=10.0)
+    await trio.sleep(9.9)
+    assert table.is_live("a")
+    table.seen("a")  # a sync, say: the announced TTL holds until a heartbeat says otherwise
+    await trio.sleep(9.9)
+    assert table.is_live("a")
+    await trio.sleep(0.2)
+    assert table.expire() == ["a"]
+
+
+async def test_silent_peers_are_forgotten_but_not_their_penalties(autojump_clock: trio.testing.MockClock) -> None:
+    """Under churn the table met every peer of days of a run: it keeps the live, the
+    penalized and the banned, not the rest."""
+    table = PeerTable(ttl_s=3.0)
+    for peer in ("quiet", "penalized", "banned"):
+        table.seen(peer)
+    await trio.sleep(FORGET_S)
+    table.penalize("penalized", "garbage")  # silent since, their points and ban still count
+    for _ in range(BAN_POINTS):
+        table.penalize("banned", "garbage")
+    await trio.sleep(4.0)
+    table.expire()
+    assert table.num_known() == 2 and table.penalty("penalized") == 1 and table.is_banned("banned")
+    await trio.sleep(BAN_S)  # the point forgiven, the ban over: nothing left to keep
+    table.expire()
+    assert table.num_known() == 0

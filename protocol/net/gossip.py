@@ -2,9 +2,11 @@
 
 Protocol flow (topic ``/swarmtrain/run/<run id>/1``), every message signed by libp2p:
 
-    {t: "hb",     v: 1, digest, role}   every heartbeat interval: "I am alive, my state
-                                        digest is this". A differing digest makes the
-                                        receiver pull state from the sender.
+    {t: "hb",     v: 1, digest, role,   every heartbeat interval: "I am alive, my state
+     every}                             digest is this, my next heartbeat comes within
+                                        ``every`` seconds" (optional: the receiver's own
+                                        interval). A differing digest makes the receiver
+                                        pull state from the sender.
     {t: "update", v: 1, update}         a small local change, pushed so peers need not wait
                                         for the next pull; bigger ones are only pulled.
     {t: "bye",    v: 1}                 a clean shutdown: stop counting me as live now.
@@ -28,6 +30,9 @@ VERSION = 1
 # Well under GossipSub's 1 MiB delivery ceiling; larger changes travel by pull.
 MAX_PUSH_NBYTES = 64 << 10
 MAX_MESSAGE_NBYTES = MAX_PUSH_NBYTES + 1024
+# The longest heartbeat interval a message may announce (a run of ~14,000 live members at
+# protocol/runstate/run.py's HEARTBEATS_PER_S).
+MAX_HEARTBEAT_EVERY_S = 3600
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{16}")
 _TYPES = frozenset({"hb", "update", "bye", "zo", "zoequiv"})
 
@@ -40,6 +45,8 @@ def topic(run_id: str) -> str:
 class Heartbeat:
     digest: str
     role: str
+    every_s: int = 0
+    """The sender's next heartbeat comes within this many seconds; 0: not said."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +75,11 @@ GossipPayload = Heartbeat | Update | Bye | ZoBatch | ZoEvidence
 
 def encode(payload: GossipPayload) -> bytes:
     match payload:
-        case Heartbeat(digest=digest, role=role):
-            return wire.encode("hb", VERSION, {"digest": digest, "role": role})
+        case Heartbeat(digest=digest, role=role, every_s=every_s):
+            fields: dict[str, object] = {"digest": digest, "role": role}
+            if every_s:
+                fields["every"] = every_s
+            return wire.encode("hb", VERSION, fields)
         case Update(update=update):
             if len(update) > MAX_PUSH_NBYTES:
                 raise ValueError(f"update of {len(update)} bytes is too large to gossip")
@@ -95,6 +105,7 @@ def decode(data: bytes) -> GossipPayload:
         return Heartbeat(
             digest=wire.get_str(msg, "digest", max_len=16, pattern=DIGEST_PATTERN),
             role=wire.get_str(msg, "role", max_len=16),
+            every_s=wire.get_int(msg, "every", lo=1, hi=MAX_HEARTBEAT_EVERY_S) if "every" in msg else 0,
         )
     if msg["t"] == "update":
         return Update(update=wire.get_bytes(msg, "update", max_nbytes=MAX_PUSH_NBYTES))

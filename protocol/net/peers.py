@@ -21,6 +21,9 @@ BAN_S = 600.0
 # A point is forgiven after this long: an honest peer's rare slip (a crash mid-round, a
 # timeout on a bad link) never adds up to a ban over a long run; a pattern still does.
 PENALTY_DECAY_S = 300.0
+# A peer silent this long, holding no penalty and no ban, is forgotten: under churn the
+# table would otherwise keep an entry for every peer ever met.
+FORGET_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -32,6 +35,9 @@ class PeerStatus:
     banned_until: float = -math.inf
     digest: str = ""
     role: str = ""
+    ttl_s: float = 0.0
+    """How long it is live after it was last heard; 0: the table's ``ttl_s`` (a heartbeat
+    announcing a longer interval sets more: protocol/runstate/run.py)."""
 
 
 class PeerTable:
@@ -47,14 +53,19 @@ class PeerTable:
     def _info(self, peer_id: str) -> PeerStatus:
         return self._peers.setdefault(peer_id, PeerStatus())
 
-    def seen(self, peer_id: str, *, digest: str | None = None, role: str | None = None) -> bool:
-        """Record that ``peer_id`` is alive; True if it was not live before."""
+    def seen(
+        self, peer_id: str, *, digest: str | None = None, role: str | None = None, ttl_s: float | None = None
+    ) -> bool:
+        """Record that ``peer_id`` is alive; True if it was not live before. ``ttl_s``: live
+        this long from now on (its heartbeats come that rarely), until said otherwise."""
         now = trio.current_time()
         info = self._info(peer_id)
         was_live = self._is_live(info, now)
         if not was_live:
             info.first_seen = now
         info.last_seen = now
+        if ttl_s is not None:
+            info.ttl_s = ttl_s
         if digest is not None:
             info.digest = digest
         if role is not None:
@@ -88,9 +99,20 @@ class PeerTable:
         ]
         for peer_id in expired:
             self._peers[peer_id].first_seen = -math.inf
+        forgotten = [
+            p
+            for p, i in self._peers.items()
+            if now - i.last_seen > FORGET_S + i.ttl_s and i.banned_until <= now and not self.penalty(p)
+        ]
+        for peer_id in forgotten:
+            del self._peers[peer_id]
         if expired:
             self._notify()
         return expired
+
+    def num_known(self) -> int:
+        """Peers the table holds an entry for (live, silent, penalized or banned)."""
+        return len(self._peers)
 
     def penalize(self, peer_id: str, reason: str) -> bool:
         """Add a penalty for bad input; True if the peer is now banned."""
@@ -135,7 +157,7 @@ class PeerTable:
         return self._changed
 
     def _is_live(self, info: PeerStatus, now: float) -> bool:
-        return now - info.last_seen <= self.ttl_s and info.banned_until <= now
+        return now - info.last_seen <= max(self.ttl_s, info.ttl_s) and info.banned_until <= now
 
     def _notify(self) -> None:
         self._changed.set()

@@ -3,9 +3,16 @@
 Tasks, all in one nursery:
 - gossip: read the run topic; heartbeats mark peers live (a differing digest asks for a
   pull), pushed updates are validated and merged, "bye" ends a peer's liveness at once;
-- heartbeat: publish ours every ``heartbeat_interval_s``;
-- anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer, which
-  repairs whatever gossip dropped;
+- heartbeat: publish ours every ``heartbeat_interval_s``, or less often in a large run:
+  every node hears every heartbeat, so each node's interval is its live peers over
+  ``HEARTBEATS_PER_S`` (a node then hears about that many a second, however large the
+  run); each heartbeat says its interval, and its sender stays live for
+  ``TTL_HEARTBEATS`` of them (at least the TTL). An announced interval is believed up to
+  twice what ours would be (``heartbeat_every_s``): a peer cannot claim an hour of
+  liveness in a run of ten;
+- anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer whose
+  last heartbeat's digest differs from ours, or, when all agree, from any live peer once
+  in ``ANTI_ENTROPY_IDLE_S``, which repairs whatever gossip dropped;
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
   at most one pull per peer per MIN_PULL_SPACING_S;
 - members: dial members we read about in the document but are not connected to
@@ -19,6 +26,7 @@ Tasks, all in one nursery:
 
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -47,6 +55,15 @@ UPKEEP_SPACING_S = 1.0
 MIN_PULL_SPACING_S = 1.0
 # A newcomer's heartbeat goes out within this of meeting a peer, however long the interval.
 MIN_HEARTBEAT_SPACING_S = 1.0
+# Heartbeats a node hears per second, at most, in a run larger than its interval covers
+# (every member hears every heartbeat: each costs GossipSub's mesh degree in copies, ~1.4
+# KB in and as much out: docs/scale.md).
+HEARTBEATS_PER_S = 4.0
+# A peer whose heartbeats come rarer than the TTL covers stays live for this many of them.
+TTL_HEARTBEATS = 3
+# With every live peer's digest equal to ours, anti-entropy pulls this often (a pull sends
+# our state vector, ~10 bytes per author the document ever had).
+ANTI_ENTROPY_IDLE_S = 60.0
 
 
 class RunService:
@@ -81,6 +98,7 @@ class RunService:
             on_connected=self.on_peer_connected,
         )
         self._met_someone = trio.Event()
+        self._idle_pull_at = -math.inf
         self.num_pulls = 0
         self.num_gossip_received = 0
         self.num_pull_failures = 0
@@ -158,8 +176,11 @@ class RunService:
     async def _on_gossip(self, message: GossipMessage) -> None:
         sender = message.from_peer
         match gossip.decode(message.data):
-            case gossip.Heartbeat(digest=digest, role=role):
-                if self.peers.seen(sender, digest=digest, role=role):
+            case gossip.Heartbeat(digest=digest, role=role, every_s=every_s):
+                # Believed up to twice what we would announce: our view of the run's size.
+                every = min(every_s or self._heartbeat_interval_s, 2 * self.heartbeat_every_s())
+                ttl_s = max(self.peers.ttl_s, TTL_HEARTBEATS * every)
+                if self.peers.seen(sender, digest=digest, role=role, ttl_s=ttl_s):
                     logger.info("peer %s is live (%s)", sender, role)
                 if digest != self.state.digest:
                     self.request_pull(sender)
@@ -175,22 +196,36 @@ class RunService:
                 if self.zo_evidence is not None:
                     await self.zo_evidence(first, second)
 
+    def heartbeat_every_s(self) -> int:
+        """Our heartbeat interval in whole seconds: the configured one, or our live peers
+        over HEARTBEATS_PER_S in a run larger than that covers."""
+        scaled = math.ceil(len(self.peers.live()) / HEARTBEATS_PER_S)
+        return min(gossip.MAX_HEARTBEAT_EVERY_S, max(math.ceil(self._heartbeat_interval_s), scaled))
+
     async def _heartbeat_loop(self) -> None:
         """Every interval, and soon after we meet someone new (so they see us without
         waiting a whole interval), but never more often than MIN_HEARTBEAT_SPACING_S."""
         while True:
-            await self._publish(gossip.Heartbeat(digest=self.state.digest, role=self._role))
+            every_s = self.heartbeat_every_s()
+            # A run within the configured interval announces nothing: what peers expect.
+            announced = every_s if every_s > self._heartbeat_interval_s else 0
+            await self._publish(gossip.Heartbeat(digest=self.state.digest, role=self._role, every_s=announced))
             await trio.sleep(MIN_HEARTBEAT_SPACING_S)
-            with trio.move_on_after(self._heartbeat_interval_s - MIN_HEARTBEAT_SPACING_S):
+            interval_s = max(self._heartbeat_interval_s, float(announced))
+            with trio.move_on_after(interval_s - MIN_HEARTBEAT_SPACING_S):
                 await self._met_someone.wait()
             self._met_someone = trio.Event()
 
     async def _anti_entropy_loop(self) -> None:
         while True:
             await trio.sleep(self._anti_entropy_interval_s * random.uniform(0.75, 1.25))
-            candidates = sorted(self.peers.live())
-            if candidates:
-                self.request_pull(random.choice(candidates))
+            live = self.peers.live()
+            differ = sorted(p for p, info in live.items() if info.digest != self.state.digest)
+            if differ:
+                self.request_pull(random.choice(differ))
+            elif live and trio.current_time() - self._idle_pull_at >= ANTI_ENTROPY_IDLE_S:
+                self._idle_pull_at = trio.current_time()
+                self.request_pull(random.choice(sorted(live)))
 
     async def _pull_worker(self) -> None:
         async for peer_id in self._pull_receive:
