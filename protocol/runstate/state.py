@@ -98,6 +98,7 @@ MAX_EXPERTS = 1024
 # Epochs only grow by one per hand-over; this leaves room for any honest run and keeps
 # every value exact through pycrdt's floats.
 MAX_EPOCH = 1 << 40
+DIGEST_MODULUS = 1 << 256
 # Per expert, the view keeps the best claim of this many owners (the best ones): enough
 # for the hand-overs of any honest run; a stranger's many keys push out only old claims.
 LEASE_OWNERS_KEPT = 16
@@ -342,6 +343,65 @@ class Content:
     leases: dict[int, LeaseRecord]
 
 
+def _observe_keys(doc: Doc[Any]) -> tuple[dict[str, set[str]], Callable[[], None]]:
+    """Which keys of each root map change from now on (and a call that stops watching)."""
+    touched: dict[str, set[str]] = {}
+    watched = []
+
+    def noting(root: str) -> Callable[[Any], None]:
+        def note(event: Any) -> None:  # one parameter: pycrdt passes the transaction to two
+            touched.setdefault(root, set()).update(event.keys)
+
+        return note
+
+    for root in sorted(ROOTS):
+        target = doc.get(root, type=Map)
+        watched.append((target, target.observe(noting(root))))
+
+    def stop() -> None:
+        for target, subscription in watched:
+            target.unobserve(subscription)
+
+    return touched, stop
+
+
+def _read_changed(doc: Doc[Any], run_id: str, base: Content, touched: dict[str, set[str]]) -> Content:
+    """``base`` (the content ``doc`` held) with the entries of ``touched`` read again from
+    ``doc``: ``_read``'s checks on what changed, not on every record."""
+    names = sorted(doc.keys())
+    extra = [n for n in names if n not in ROOTS]
+    _need(not extra, f"unknown top-level entries {extra[:5]}")
+    manifest = base.manifest
+    if touched.get("manifest"):
+        raw_manifest = doc.get("manifest", type=Map).to_py() or {}
+        manifest = parse_manifest(raw_manifest) if raw_manifest else None
+        _need(manifest is None or manifest.run_id == run_id, "manifest belongs to another run")
+    members = base.members
+    if touched.get("members"):
+        members, target = dict(members), doc.get("members", type=Map)
+        for key in touched["members"]:
+            if key in target:
+                members[key] = parse_member(key, target[key], run_id)
+            else:
+                members.pop(key, None)
+    leases = base.leases
+    if touched.get("leases"):
+        target = doc.get("leases", type=Map)
+        _need(len(target) <= MAX_EXPERTS, f"more than {MAX_EXPERTS} leases")
+        by_key = {str(expert): lease for expert, lease in leases.items()}
+        for key in touched["leases"]:
+            if key in target:
+                by_key[key] = parse_lease(key, target[key], run_id)
+            else:
+                by_key.pop(key, None)
+        leases = {lease.expert: lease for lease in by_key.values()}
+    return Content(manifest, members, leases)
+
+
+def _num_entries(doc: Doc[Any], root: str) -> int:
+    return len(doc.get(root, type=Map))
+
+
 def _read(doc: Doc[Any], run_id: str) -> Content:
     """Validate a whole document; ``BadMessage`` names the first thing wrong with it."""
     content = _crdt("unreadable document", lambda: _root_maps(doc))
@@ -379,6 +439,9 @@ class RunState:
         """Our view: per expert, the best claim we ever saw (``better_lease``)."""
         self._claims: dict[int, dict[str, LeaseRecord]] = {}
         """Per expert, the best claim we saw of each owner (the best ``LEASE_OWNERS_KEPT``)."""
+        self._entry_hashes: dict[tuple[str, str], int] = {}
+        """Each document entry's hash (``_compute_digest``)."""
+        self._entry_sum = 0
         self._digest = self._compute_digest()
         self._changed = trio.Event()
         self.num_changes = 0
@@ -527,23 +590,35 @@ class RunState:
         # the update is decoded once and a native panic can only ever hit the scratch copy.
         scratch: Doc[Any] = Doc(client_id=client_id)
         scratch.apply_update(self._good)
-        _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
+        # Only the entries the update changes are read again (the rest passed when they came):
+        # a change costs its own records, not the document's (O(N) a change at N members).
+        before = Content(self._manifest, self._in_doc, self._leases_in_doc)
+        touched, stop = _observe_keys(scratch)
+        try:
+            _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
+        finally:
+            stop()
         theirs = crdt_check.check_state_vector(bytes(_crdt("unreadable state", scratch.get_state)))
         _need(all(theirs.get(c, 0) >= clock for c, clock in ours.items()), "update would move a clock back")
-        content = _read(scratch, self.run_id)
+        content = _crdt("unreadable document", lambda: _read_changed(scratch, self.run_id, before, touched))
         _need(self._manifest is None or content.manifest == self._manifest, "update would change the run manifest")
         encoded = bytes(_crdt("unencodable document", scratch.get_update))
         if len(encoded) > MAX_DOC_NBYTES:
             raise Overfull(f"the document would hold {len(encoded)} bytes, over {MAX_DOC_NBYTES}")
-        if theirs == ours and content == Content(self._manifest, self._in_doc, self._leases_in_doc):
+        if theirs == ours and content == before:
             return False  # nothing new: keep the document as it was, byte for byte
         # What we adopt must also load again (the next update starts from it, newcomers and
         # the save file get it): yrs accepted updates whose export it could not read back.
+        # Reloaded, it holds as many entries of each root, and what changed reads the same.
         check: Doc[Any] = Doc()
         _crdt("document does not load again", lambda: check.apply_update(encoded))
-        _need(_read(check, self.run_id) == content, "document reads differently once reloaded")
+        reloaded = _crdt("unreadable document", lambda: _read_changed(check, self.run_id, before, touched))
+        _need(
+            reloaded == content and all(_num_entries(check, r) == _num_entries(scratch, r) for r in ROOTS),
+            "document reads differently once reloaded",
+        )
         self._doc, self._good = scratch, encoded
-        self._adopt(content)
+        self._adopt(content, touched)
         return True
 
     def _deleted(self) -> dict[int, list[tuple[int, int]]]:
@@ -576,18 +651,28 @@ class RunState:
         self._adopt(content)
         return bytes(self._doc.get_update(before))
 
-    def _adopt(self, content: Content) -> None:
+    def _adopt(self, content: Content, touched: dict[str, set[str]] | None = None) -> None:
+        """``content`` becomes the document's; the view takes what is newer in it (only in
+        the ``touched`` entries when given: the others are as they were)."""
         self._manifest, self._in_doc, self._leases_in_doc = content.manifest, content.members, content.leases
+        members: Iterable[str] = content.members if touched is None else touched.get("members", ())
         self._members = dict(self._members)
-        for peer_id, record in content.members.items():
-            if record.newer_than(self._members.get(peer_id)):
+        for peer_id in members:
+            record = content.members.get(peer_id)
+            if record is not None and record.newer_than(self._members.get(peer_id)):
                 self._members[peer_id] = record
+        experts: Iterable[int] = content.leases
+        if touched is not None:
+            experts = [int(key) for key in touched.get("leases", ()) if key.isdigit()]
         self._leases = dict(self._leases)
-        for expert, lease in content.leases.items():
+        for expert in experts:
+            lease = content.leases.get(expert)
+            if lease is None:
+                continue
             if better_lease(self.run_id, lease, self._leases.get(expert)):
                 self._leases[expert] = lease
             self._keep_claim(lease)
-        self._note_change()
+        self._note_change(touched)
 
     def _keep_claim(self, lease: LeaseRecord) -> None:
         by_owner = self._claims.setdefault(lease.expert, {})
@@ -601,20 +686,43 @@ class RunState:
     def _compare_leases(self, a: LeaseRecord, b: LeaseRecord) -> int:
         return 0 if a == b else (1 if better_lease(self.run_id, a, b) else -1)
 
-    def _note_change(self) -> None:
-        self._digest = self._compute_digest()
+    def _note_change(self, touched: dict[str, set[str]] | None = None) -> None:
+        self._digest = self._compute_digest(touched)
         self.num_changes += 1
         self._changed.set()
         self._changed = trio.Event()
 
-    def _compute_digest(self) -> str:
-        content = {
-            "manifest": _jsonable(asdict(self._manifest)) if self._manifest else None,
-            "members": {k: _jsonable(asdict(v)) for k, v in sorted(self._in_doc.items())},
-            "leases": {str(k): _jsonable(asdict(v)) for k, v in sorted(self._leases_in_doc.items())},
-        }
-        canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(canonical).hexdigest()[:16]
+    def _compute_digest(self, touched: dict[str, set[str]] | None = None) -> str:
+        """A hash of the manifest and of the sum (mod 2^256) of each entry's hash: equal
+        content, equal digest; a change hashes its own entries (``touched``), not all."""
+        if touched is None:
+            self._entry_hashes = {("members", k): _entry_hash("members", k, v) for k, v in self._in_doc.items()}
+            self._entry_hashes.update(
+                {("leases", str(e)): _entry_hash("leases", str(e), v) for e, v in self._leases_in_doc.items()}
+            )
+            self._entry_sum = sum(self._entry_hashes.values()) % DIGEST_MODULUS
+        else:
+            for root in ("members", "leases"):
+                for key in touched.get(root, ()):
+                    self._entry_sum -= self._entry_hashes.pop((root, key), 0)
+                    value: MemberRecord | LeaseRecord | None = (
+                        self._in_doc.get(key)
+                        if root == "members"
+                        else self._leases_in_doc.get(int(key))
+                        if key.isdigit()
+                        else None
+                    )
+                    if value is not None:
+                        entry = self._entry_hashes[(root, key)] = _entry_hash(root, key, value)
+                        self._entry_sum += entry
+            self._entry_sum %= DIGEST_MODULUS
+        manifest = json.dumps(_jsonable(asdict(self._manifest)) if self._manifest else None, sort_keys=True)
+        return hashlib.sha256(manifest.encode() + self._entry_sum.to_bytes(32, "big")).hexdigest()[:16]
+
+
+def _entry_hash(root: str, key: str, value: "MemberRecord | LeaseRecord") -> int:
+    canonical = json.dumps([root, key, _jsonable(asdict(value))], sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(canonical.encode()).digest(), "big")
 
 
 def _member_value(record: MemberRecord) -> dict[str, Any]:
