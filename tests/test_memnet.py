@@ -444,3 +444,21 @@ async def test_a_settled_run_pulls_once_a_minute_not_every_few_seconds(
         # Every anti_entropy_interval_s (2 s here) before: 300 pulls each.
         assert all(p <= 11 for p in pulls), pulls
         assert agreed(services, dict.fromkeys(ids, 1))
+
+
+async def test_strangers_heartbeating_do_not_stretch_our_interval(autojump_clock: trio.testing.MockClock) -> None:
+    """The interval grows with live members of the document, not with whoever heartbeats:
+    40 strangers announcing an hour would otherwise slow every node's heartbeats and each
+    stay live for minutes after they stopped."""
+    net = FakeNetwork(7, Faults())
+    async with run_services(net, 3) as services:
+        ids = list(net.hosts)
+        await wait_until(lambda: agreed(services, dict.fromkeys(ids, 1)), lambda: changes(services), timeout_s=60)
+        strangers = [net.add_host(bytes([200 + i]) * 32) for i in range(40)]
+        for stranger in strangers:
+            beat = gossip.Heartbeat(digest=services[0].state.digest, role="trainer", every_s=3600)
+            await stranger.publish(gossip.topic(RUN), gossip.encode(beat))
+        await trio.testing.wait_all_tasks_blocked()
+        watcher = services[0]
+        assert len(watcher.peers.live()) >= 40
+        assert watcher.heartbeat_every_s() == 1  # run_services' interval: 2 live members

@@ -97,3 +97,14 @@ async def test_silent_peers_are_forgotten_but_not_their_penalties(autojump_clock
     await trio.sleep(BAN_S)  # the point forgiven, the ban over: nothing left to keep
     table.expire()
     assert table.num_known() == 0
+
+
+async def test_a_goodbye_or_a_ban_ends_an_announced_ttl(autojump_clock: trio.testing.MockClock) -> None:
+    table = PeerTable(ttl_s=3.0)
+    for end in (table.gone, lambda peer: [table.penalize(peer, "garbage") for _ in range(BAN_POINTS)]):
+        table.seen("a", ttl_s=100.0)
+        end("a")
+        await trio.sleep(BAN_S + 1)  # past a ban
+        table.seen("a")  # a sync, not a heartbeat: the table's TTL again, not the one announced before
+        await trio.sleep(3.1)
+        assert not table.is_live("a")

@@ -1,7 +1,9 @@
 """The run document: signed records, merging, validation before anything is applied, the view."""
 
 import contextlib
+import json
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from protocol.runstate.state import (
     RunState,
     sign_member,
 )
+from tests import yjs
 from training.settings import RunSettings
 
 RUN = "demo-abc123"
@@ -155,6 +158,61 @@ def test_a_deletion_alone_is_new_though_every_struct_is_known() -> None:
     fresh = RunState(RUN)
     fresh.apply_remote(b.encode())
     assert PEER_B not in fresh.members  # gone from b's document, as from a's
+
+
+def test_a_deletion_past_a_clock_gap_leaves_the_view_and_the_document_agreeing() -> None:
+    """yrs integrates an item whose client skipped a clock, and its map events then name no
+    change when it is deleted: a relayed copy of B's record written that way and deleted
+    again took B out of the document while the view, the digest and ``stale`` said it was
+    there (no upkeep restored it; newcomers never saw B). Such updates are read whole."""
+    honest = populated()
+    honest.put_member(member(PEER_B))
+    state = RunState(RUN)
+    state.apply_remote(honest.encode())
+    evil, padder = 4242, 77
+
+    def pad(clock: int) -> bytes:  # moves a clock, shows nothing
+        return yjs.item(None, root="members", key=f"pad{clock}", deleted=1)
+
+    after_b = yjs.entry_id(state.encode(), "members", PEER_B)
+    relayed = yjs.item([raw(member(PEER_B))], origin=after_b)
+    assert state.apply_remote(yjs.update({evil: (1, [relayed]), padder: (0, [pad(0)])}))  # clock 0 never sent
+    assert state.apply_remote(yjs.update({padder: (1, [pad(1)])}, {evil: [(1, 1)]}))
+    whole = state_module._read(state._doc, RUN)
+    fresh = RunState(RUN)
+    fresh.apply_remote(state.encode())
+    assert (PEER_B in whole.members) == (PEER_B in state._in_doc) == (PEER_B in fresh.members)
+    assert fresh.digest == state.digest
+    if PEER_B not in whole.members:
+        assert state.stale() == [PEER_B]  # and upkeep writes it back
+
+
+def test_an_update_pycrdt_panics_on_while_watched_is_taken_unwatched() -> None:
+    """A state hostile updates built (all accepted), then an honest writer's diff: pycrdt's
+    map observer panics on it (a second reader's fuzzing found it; it was not reduced)."""
+    vector = json.loads((Path(__file__).parent / "vectors" / "crdt_observer_panic_v1.json").read_text())
+    state = RunState(RUN)
+    state.apply_remote(bytes.fromhex(vector["state"]))
+    assert state.apply_remote(bytes.fromhex(vector["update"])) is True
+    whole = state_module._read(state._doc, RUN)
+    assert (whole.manifest, whole.members, whole.leases) == (state.manifest, state._in_doc, state._leases_in_doc)
+
+
+def test_a_merge_that_reloads_with_a_client_missing_is_refused() -> None:
+    """yrs adopted this hostile update, but the merged document's encoding reloaded without
+    one of its clients: every later update then "moved a clock back" and cost its honest
+    sender a point. Refused or taken, the next honest update applies."""
+    vector = json.loads((Path(__file__).parent / "vectors" / "crdt_reload_loses_client_v1.json").read_text())
+    state = RunState(RUN)
+    state.apply_remote(bytes.fromhex(vector["document"]))
+    with contextlib.suppress(BadMessage):
+        state.apply_remote(bytes.fromhex(vector["update"]))
+    writer = RunState(RUN)
+    writer.apply_remote(state.encode())
+    newcomer = member_of(b"\x42" * 32)
+    writer.put_member(newcomer)
+    assert state.apply_remote(writer.diff(state.state_vector())) is True
+    assert newcomer.peer_id in state.members
 
 
 def test_manifest_is_written_once_and_only_by_its_creator() -> None:

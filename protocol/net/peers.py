@@ -77,6 +77,8 @@ class PeerTable:
     def gone(self, peer_id: str) -> None:
         """The peer said goodbye: stop counting it as live right away."""
         info = self._peers.get(peer_id)
+        if info is not None:
+            info.ttl_s = 0.0  # its next heartbeat says again how long
         if info is not None and info.last_seen > -math.inf:
             info.last_seen = -math.inf
             self._notify()
@@ -128,6 +130,7 @@ class PeerTable:
             self.bans_total += 1
             info.penalty = 0
             info.last_seen = -math.inf
+            info.ttl_s = 0.0
             logger.warning("peer %s banned for %.0f s", peer_id, BAN_S)
         self._notify()
         return info.banned_until > trio.current_time()

@@ -4,15 +4,16 @@ Tasks, all in one nursery:
 - gossip: read the run topic; heartbeats mark peers live (a differing digest asks for a
   pull), pushed updates are validated and merged, "bye" ends a peer's liveness at once;
 - heartbeat: publish ours every ``heartbeat_interval_s``, or less often in a large run:
-  every node hears every heartbeat, so each node's interval is its live peers over
-  ``HEARTBEATS_PER_S`` (a node then hears about that many a second, however large the
-  run); each heartbeat says its interval, and its sender stays live for
-  ``TTL_HEARTBEATS`` of them (at least the TTL). An announced interval is believed up to
-  twice what ours would be (``heartbeat_every_s``): a peer cannot claim an hour of
-  liveness in a run of ten;
-- anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer whose
-  last heartbeat's digest differs from ours, or, when all agree, from any live peer once
-  in ``ANTI_ENTROPY_IDLE_S``, which repairs whatever gossip dropped;
+  every node hears every heartbeat, so each node's interval is its live peers that are
+  members in the document over ``HEARTBEATS_PER_S`` (a node then hears about that many a
+  second, however large the run); each heartbeat says its interval, and its sender stays
+  live for ``TTL_HEARTBEATS`` of them (at least the TTL). An announced interval is
+  believed up to twice what ours would be (``heartbeat_every_s``): a peer cannot claim an
+  hour of liveness in a run of ten;
+- anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer (half the
+  time one whose last heartbeat's digest differs from ours) while some differ, and, when
+  all agree, from any live peer once in ``ANTI_ENTROPY_IDLE_S``, which repairs whatever
+  gossip dropped;
 - pulls: a small pool of workers draining a de-duplicated queue of peers to sync with,
   at most one pull per peer per MIN_PULL_SPACING_S;
 - members: dial members we read about in the document but are not connected to
@@ -199,7 +200,10 @@ class RunService:
     def heartbeat_every_s(self) -> int:
         """Our heartbeat interval in whole seconds: the configured one, or our live peers
         over HEARTBEATS_PER_S in a run larger than that covers."""
-        scaled = math.ceil(len(self.peers.live()) / HEARTBEATS_PER_S)
+        # Live members in the document only: strangers heartbeating make no node slower to
+        # hear, nor buy each other longer liveness (each is believed up to twice this).
+        members = sum(1 for p in self.peers.live() if self.state.has_member(p))
+        scaled = math.ceil(members / HEARTBEATS_PER_S)
         return min(gossip.MAX_HEARTBEAT_EVERY_S, max(math.ceil(self._heartbeat_interval_s), scaled))
 
     async def _heartbeat_loop(self) -> None:
@@ -222,7 +226,9 @@ class RunService:
             live = self.peers.live()
             differ = sorted(p for p, info in live.items() if info.digest != self.state.digest)
             if differ:
-                self.request_pull(random.choice(differ))
+                # Half the time from any live peer: peers that always say another digest
+                # (strangers) must not take every repair pull.
+                self.request_pull(random.choice(differ if random.random() < 0.5 else sorted(live)))
             elif live and trio.current_time() - self._idle_pull_at >= ANTI_ENTROPY_IDLE_S:
                 self._idle_pull_at = trio.current_time()
                 self.request_pull(random.choice(sorted(live)))

@@ -398,6 +398,16 @@ def _read_changed(doc: Doc[Any], run_id: str, base: Content, touched: dict[str, 
     return Content(manifest, members, leases)
 
 
+def _past_clock(encoded: bytes, state: dict[int, int]) -> bool:
+    """Whether a document's encoding holds structs past its state vector (items yrs holds
+    beyond a clock gap, or waiting for what they depend on)."""
+    try:
+        shape = crdt_check.check_update(encoded, max_structs=crdt_check.MAX_CLOCK)
+    except BadMessage:
+        return True
+    return any(end > state.get(c, 0) for c, (_, end) in shape.clients.items())
+
+
 def _num_entries(doc: Doc[Any], root: str) -> int:
     return len(doc.get(root, type=Map))
 
@@ -426,6 +436,8 @@ class RunState:
         self._doc: Doc[Any] = Doc()
         self._good = bytes(self._doc.get_update())
         """The document's last checked encoding: each remote update starts from it."""
+        self._gapped = False
+        """Our document holds items past a clock gap: remote updates are read whole."""
         self._deleted_in: bytes | None = None
         self._deleted_ranges: dict[int, list[tuple[int, int]]] = {}
         """``_deleted``'s cache: the delete set of ``_deleted_in`` (``_good`` when it was read)."""
@@ -586,21 +598,23 @@ class RunState:
             # Every struct is one we hold, every deletion one we made: nothing new (most
             # pulls and pushed updates of a settled run). Not decoded, not copied, not read.
             return False
-        # The scratch copy takes our client id: once it passes, it *becomes* our document, so
-        # the update is decoded once and a native panic can only ever hit the scratch copy.
-        scratch: Doc[Any] = Doc(client_id=client_id)
-        scratch.apply_update(self._good)
+        before = Content(self._manifest, self._in_doc, self._leases_in_doc)
         # Only the entries the update changes are read again (the rest passed when they came):
         # a change costs its own records, not the document's (O(N) a change at N members).
-        before = Content(self._manifest, self._in_doc, self._leases_in_doc)
-        touched, stop = _observe_keys(scratch)
-        try:
-            _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
-        finally:
-            stop()
+        # Not where yrs may integrate an item past a clock gap (no event then names its key
+        # again, its later deletion included): an update that starts past our clock, or a
+        # document holding such items. Nor where watching made pycrdt panic (seen on states
+        # hostile updates built): then the update is applied again, unwatched.
+        gapless = not self._gapped and all(first <= ours.get(c, 0) for c, (first, _) in shape.clients.items())
+        scratch, touched = self._merged(update, client_id, watched=gapless)
         theirs = crdt_check.check_state_vector(bytes(_crdt("unreadable state", scratch.get_state)))
         _need(all(theirs.get(c, 0) >= clock for c, clock in ours.items()), "update would move a clock back")
-        content = _crdt("unreadable document", lambda: _read_changed(scratch, self.run_id, before, touched))
+        content = _crdt(
+            "unreadable document",
+            lambda: (
+                _read(scratch, self.run_id) if touched is None else _read_changed(scratch, self.run_id, before, touched)
+            ),
+        )
         _need(self._manifest is None or content.manifest == self._manifest, "update would change the run manifest")
         encoded = bytes(_crdt("unencodable document", scratch.get_update))
         if len(encoded) > MAX_DOC_NBYTES:
@@ -608,18 +622,47 @@ class RunState:
         if theirs == ours and content == before:
             return False  # nothing new: keep the document as it was, byte for byte
         # What we adopt must also load again (the next update starts from it, newcomers and
-        # the save file get it): yrs accepted updates whose export it could not read back.
-        # Reloaded, it holds as many entries of each root, and what changed reads the same.
+        # the save file get it): yrs accepted updates whose export it could not read back, or
+        # read back with clients missing (every later update then "moved a clock back").
         check: Doc[Any] = Doc()
         _crdt("document does not load again", lambda: check.apply_update(encoded))
-        reloaded = _crdt("unreadable document", lambda: _read_changed(check, self.run_id, before, touched))
-        _need(
-            reloaded == content and all(_num_entries(check, r) == _num_entries(scratch, r) for r in ROOTS),
-            "document reads differently once reloaded",
-        )
+        reloaded_state = crdt_check.check_state_vector(bytes(_crdt("unreadable state", check.get_state)))
+        if touched is None:
+            reloaded = _read(check, self.run_id)
+        else:  # as many entries of each root, and what changed reads the same
+            reloaded = _crdt("unreadable document", lambda: _read_changed(check, self.run_id, before, touched))
+            _need(all(_num_entries(check, r) == _num_entries(scratch, r) for r in ROOTS), "entries lost on reload")
+        _need(reloaded == content and reloaded_state == theirs, "document reads differently once reloaded")
+        # Items past a clock gap: in the encoding, beyond the state vector (read only when
+        # this update could have brought some: no gap-free watched update does).
+        if touched is None:
+            self._gapped = _past_clock(encoded, theirs)
+        elif any(end > theirs.get(c, 0) for c, (_, end) in shape.clients.items()):
+            self._gapped = True  # some of it waits for what it depends on
         self._doc, self._good = scratch, encoded
         self._adopt(content, touched)
         return True
+
+    def _merged(self, update: bytes, client_id: int, *, watched: bool) -> tuple[Doc[Any], dict[str, set[str]] | None]:
+        """Our document with ``update`` applied, on a copy; and, when ``watched``, the keys
+        of each root it changed (None: read the whole copy)."""
+        if watched:
+            scratch: Doc[Any] = Doc(client_id=client_id)
+            scratch.apply_update(self._good)
+            touched, stop = _observe_keys(scratch)
+            try:
+                _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
+                return scratch, touched
+            except BadMessage:
+                pass  # blamed only if the unwatched apply fails too
+            finally:
+                stop()
+        # The scratch copy takes our client id: once it passes, it *becomes* our document, so
+        # the update is decoded once and a native panic can only ever hit the scratch copy.
+        scratch = Doc(client_id=client_id)
+        scratch.apply_update(self._good)
+        _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
+        return scratch, None
 
     def _deleted(self) -> dict[int, list[tuple[int, int]]]:
         """Our document's delete set, each client's ranges merged (read from ``_good``
