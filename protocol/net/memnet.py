@@ -345,6 +345,8 @@ class FakeNetwork:
         """How many deliveries met each fate (kept with or without the log)."""
         self._side: dict[str, int] = {}
         self._links: list[_Link] = []
+        self._links_kept = 0
+        """Links left after the last pruning of ended ones."""
         self._nursery: trio.Nursery | None = None
 
     @asynccontextmanager
@@ -451,7 +453,9 @@ class FakeNetwork:
         opening = STREAM_OPEN_NBYTES + len(label)
         self._count(a, label, opening, opening)
         self._count(b, label, opening, opening)
-        self._links = [old for old in self._links if not old.done()]
+        if len(self._links) >= 2 * self._links_kept + 64:  # now and then: each look is O(links)
+            self._links = [old for old in self._links if not old.done()]
+            self._links_kept = len(self._links)
         self._links.append(link)
         ours = FakeStream(self, link, a, b, inbox=link.b_to_a, outbox=link.a_to_b)
         return ours, FakeStream(self, link, b, a, inbox=link.a_to_b, outbox=link.b_to_a)

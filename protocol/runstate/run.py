@@ -100,6 +100,7 @@ class RunService:
         )
         self._met_someone = trio.Event()
         self._idle_pull_at = -math.inf
+        self._every_s, self._every_at = math.ceil(heartbeat_interval_s), -math.inf
         self.num_pulls = 0
         self.num_gossip_received = 0
         self.num_pull_failures = 0
@@ -199,7 +200,14 @@ class RunService:
 
     def heartbeat_every_s(self) -> int:
         """Our heartbeat interval in whole seconds: the configured one, or our live peers
-        over HEARTBEATS_PER_S in a run larger than that covers."""
+        over HEARTBEATS_PER_S in a run larger than that covers (counted at most once a
+        second: every heartbeat heard asks)."""
+        now = trio.current_time()
+        if now - self._every_at >= 1.0:
+            self._every_s, self._every_at = self._count_every_s(), now
+        return self._every_s
+
+    def _count_every_s(self) -> int:
         # Live members in the document only: strangers heartbeating make no node slower to
         # hear, nor buy each other longer liveness (each is believed up to twice this).
         members = sum(1 for p in self.peers.live() if self.state.has_member(p))

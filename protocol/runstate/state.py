@@ -438,6 +438,9 @@ class RunState:
         """The document's last checked encoding: each remote update starts from it."""
         self._gapped = False
         """Our document holds items past a clock gap: remote updates are read whole."""
+        self._state_in: bytes | None = None
+        self._state: dict[int, int] = {}
+        """``_own_state``'s cache: the state vector when ``_good`` was ``_state_in``."""
         self._deleted_in: bytes | None = None
         self._deleted_ranges: dict[int, list[tuple[int, int]]] = {}
         """``_deleted``'s cache: the delete set of ``_deleted_in`` (``_good`` when it was read)."""
@@ -587,7 +590,7 @@ class RunState:
         document would pass its byte cap.
         """
         _need(len(update) <= MAX_DOC_NBYTES, f"update of {len(update)} bytes is too large")
-        ours = crdt_check.check_state_vector(self.state_vector())
+        ours = self._own_state()
         client_id = self._doc.client_id
         shape = crdt_check.check_update(
             update, max_structs=MAX_UPDATE_STRUCTS, own_client=client_id, own_clock=ours.get(client_id, 0)
@@ -664,12 +667,21 @@ class RunState:
         _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
         return scratch, None
 
+    def _own_state(self) -> dict[int, int]:
+        """Our state vector, client → clock (read once per change of the document)."""
+        if self._state_in is not self._good:
+            self._state = crdt_check.check_state_vector(self.state_vector())
+            self._state_in = self._good
+        return dict(self._state)
+
     def _deleted(self) -> dict[int, list[tuple[int, int]]]:
-        """Our document's delete set, each client's ranges merged (read from ``_good``
+        """Our document's delete set, each client's ranges merged (read from the document
         once per change of it)."""
         if self._deleted_in is not self._good:
+            # An update against our own state vector holds no struct: the delete set alone.
+            only_deletes = bytes(self._doc.get_update(self._doc.get_state()))
             try:
-                shape = crdt_check.check_update(self._good, max_structs=crdt_check.MAX_CLOCK)
+                shape = crdt_check.check_update(only_deletes, max_structs=crdt_check.MAX_CLOCK)
             except BadMessage:  # never seen: then no update counts as nothing new
                 shape = crdt_check.UpdateShape(0, {}, {})
             self._deleted_ranges = {c: crdt_check.merged(r) for c, r in shape.deleted.items()}
