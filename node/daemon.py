@@ -6,8 +6,11 @@ then run discovery, state sync and the control API until asked to stop. Stopping
 goodbye on gossip, saves the run state and closes the host: no traceback, exit 0.
 """
 
+import contextlib
 import dataclasses
 import logging
+import os
+import resource
 import secrets
 import time
 from pathlib import Path
@@ -47,6 +50,21 @@ AGENT = "swarmtrain/0.1.0"
 SHUTDOWN_GRACE_S = 3.0
 # The start-up network line waits at most this long for reachability and a relay slot.
 NETWORK_SETTLE_S = 30.0
+
+
+def process_usage() -> dict[str, float | None]:
+    """This daemon process's CPU seconds so far, its resident memory now and its peak (MB;
+    now: None where /proc is not there to read)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss_mb = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        rss_mb = round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    return {
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+        "rss_mb": rss_mb,
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # kilobytes on Linux
+    }
 
 
 class Daemon:
@@ -398,6 +416,7 @@ class Daemon:
             "role": self.config.role,
             "run_id": rs.state.run_id if rs else None,
             "uptime_s": round(time.time() - self._started_at, 2),
+            "process": process_usage(),
             "identity_changed": self.identity_warning,
             "reachability": host.nat.status.reachability if host else "unknown",
             "nat": nat,

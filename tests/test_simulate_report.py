@@ -80,3 +80,26 @@ def test_the_summary_spans_every_nodes_first_and_last_points() -> None:
     _, losses, full = summary_lines(report)
     assert "3.000-3.250 after the first round -> 1.250-1.500 after 2 rounds" in losses
     assert full.endswith(": 2.250-2.500")
+
+
+def test_each_daemon_s_memory_and_idle_cpu_are_in_the_report() -> None:
+    """Idle CPU: what the daemon spent per second from when it was seen converged to its
+    last answer (issue 42: what each daemon costs)."""
+    made = node("n0", "aa")
+    made.status["process"] = {"cpu_s": 14.5, "rss_mb": 84.2, "peak_rss_mb": 90.0}
+    made.cpu_at_converged = (10.0, 12.0)
+    made.status_at_s = 60.0
+    entry = build([node("boot", "aa"), made], 61.0, killed=set())["nodes"][0]
+    assert entry["rss_mb"] == 84.2 and entry["peak_rss_mb"] == 90.0 and entry["cpu_s"] == 14.5
+    assert entry["idle_cpu_share"] == pytest.approx(2.5 / 50.0)
+    never = build([node("boot", "aa"), node("n1", "aa")], 61.0, killed=set())["nodes"][0]
+    assert never["idle_cpu_share"] is None and never["rss_mb"] is None  # an older daemon says nothing
+
+
+def test_a_daemon_says_what_its_process_uses() -> None:
+    from node.daemon import process_usage
+
+    usage = process_usage()
+    assert isinstance(usage["cpu_s"], float) and usage["cpu_s"] > 0
+    # Two counts of one memory (/proc's pages now, getrusage's peak): both there, both > 0.
+    assert usage["rss_mb"] is not None and usage["rss_mb"] > 0 and (usage["peak_rss_mb"] or 0) > 0

@@ -282,12 +282,17 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                     s = node.status
                     if s and node.ready_s is None:
                         node.ready_s = round(now - start, 3)
+                    if s:
+                        node.status_at_s = now - start
                     if (
                         node.converged_s is None
                         and s.get("members") == options.num_nodes + 1
                         and s.get("peers_seen", 0) >= expected_peers
                     ):
                         node.converged_s = round(now - start, 3)
+                        cpu_s = (s.get("process") or {}).get("cpu_s")
+                        if isinstance(cpu_s, float | int):
+                            node.cpu_at_converged = (now - start, float(cpu_s))
                 table = _render(nodes, now - start, expected_peers)
                 if tty:
                     print("\x1b[H\x1b[J" + table, flush=True)

@@ -6,6 +6,8 @@ Report: {"algorithm": str, "settings": {every run setting: training/settings.py}
          "num_nodes": int, "stop_reason": str, "kill_after_s": float | null, "killed":
          [{"name", "peer_id", "after_s", "rounds"}], "bootstrap": {...}, "nodes": [{"peer_id", "peers_seen",
          "state_converged_s", "ready_s", "members", "state_digest", "exit_code", "killed",
+         "rss_mb", "peak_rss_mb", "cpu_s" (the daemon process, as it last said), "uptime_s",
+         "idle_cpu_share" (its CPU seconds per second from convergence to its last answer),
          and when it trains: "loss_curve" ([step, loss on the run's curve blocks]),
          "final_loss" (its last point), "val_rows" (those blocks), "full_val_loss" (the final
          model on the whole split), "full_val_rows", "full_eval_s", "bytes_sent", "bytes_received"
@@ -55,6 +57,10 @@ class Node:
     ready_s: float | None = None
     """When its control API first answered: process start-up is over."""
     converged_s: float | None = None
+    cpu_at_converged: tuple[float, float] | None = None
+    """(seconds since the start, its CPU seconds) when it was first seen converged."""
+    status_at_s: float | None = None
+    """Seconds since the start when ``status`` was last read."""
 
 
 def links(node: Node) -> dict[str, str]:
@@ -80,6 +86,27 @@ def when(kill: dict[str, Any]) -> str:
     return f"{at_round} {kill['after_s']:.1f} s into training"
 
 
+def _process_entry(node: Node, wall_s: float) -> dict[str, Any]:
+    """The daemon process's resident memory and CPU as it last said; ``idle_cpu_share``:
+    the CPU it used per second from when it was seen converged to its last answer (a node
+    that trains is not idle then: only for ``--algorithm none``)."""
+    usage = node.status.get("process") or {}
+    cpu_s, uptime_s = usage.get("cpu_s"), node.status.get("uptime_s")
+    idle = None
+    if node.cpu_at_converged is not None and isinstance(cpu_s, float | int):
+        at_s, cpu_then = node.cpu_at_converged
+        last_s = node.status_at_s if node.status_at_s is not None else wall_s
+        if last_s - at_s >= 1.0:
+            idle = round((cpu_s - cpu_then) / (last_s - at_s), 4)
+    return {
+        "rss_mb": usage.get("rss_mb"),
+        "peak_rss_mb": usage.get("peak_rss_mb"),
+        "cpu_s": cpu_s,
+        "uptime_s": uptime_s,
+        "idle_cpu_share": idle,
+    }
+
+
 def build(nodes: list[Node], wall_s: float, *, killed: set[str]) -> dict[str, Any]:
     """The report of ``nodes`` (the bootstrap node first) as they last said. ``killed``:
     nodes killed as asked and not started again: the run is judged without them (their
@@ -102,6 +129,7 @@ def build(nodes: list[Node], wall_s: float, *, killed: set[str]) -> dict[str, An
             "first_direct_s": (s.get("nat") or {}).get("first_direct_s"),
             "nat_timeline": (s.get("nat") or {}).get("timeline", {}),
             "punch_retries": (s.get("nat") or {}).get("punch_retries", {}),
+            **_process_entry(node, wall_s),
             **_training_entry(s.get("training")),
         }
 
