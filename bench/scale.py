@@ -257,9 +257,9 @@ class Swarm:
                 {
                     "at_s": round(trio.current_time()),
                     "nodes": len(self.nodes),
-                    "in_bps_median": statistics.median(rates_in) if rates_in else math.nan,
+                    "in_bps_median": _median(rates_in),
                     "in_bps_p99": percentile(rates_in, 0.99),
-                    "out_bps_median": statistics.median(rates_out) if rates_out else math.nan,
+                    "out_bps_median": _median(rates_out),
                     "out_bps_p99": percentile(rates_out, 0.99),
                     "bps_by_label": {k: round(v / max(1, len(whole))) for k, v in sorted(by_label.items())},
                     "doc_nbytes": _median([len(self.nodes[p].service.state.encode()) for p in sampled]),

@@ -407,7 +407,7 @@ class FakeNetwork:
             a in self.hosts
             and b in self.hosts
             and self._same_side(a, b)
-            and not any(self.hosts[x].guard.banned(y) for x, y in ((a, b), (b, a)) if x in self.hosts)
+            and not any(self.hosts[x].guard.banned(y) for x, y in ((a, b), (b, a)))
         )
 
     def _same_side(self, a: str, b: str) -> bool:
@@ -482,8 +482,10 @@ class FakeNetwork:
     # --- gossip ---
 
     def _gossip(self, sender: str, topic: str, data: bytes) -> None:
+        # What it costs the publisher, and each receiver each way (a corrupted copy is as long).
         label = self.gossip_label(data) if self.gossip_label is not None else "gossip"
-        self._count(sender, label, 0, GOSSIP_COPIES * (GOSSIP_FRAME_NBYTES + len(data)))
+        cost = (label, GOSSIP_COPIES * (GOSSIP_FRAME_NBYTES + len(data)))
+        self._count(sender, label, 0, cost[1])
         for receiver in sorted(self.hosts):
             if receiver == sender or not self.hosts[receiver]._subscriptions.get(topic):
                 continue
@@ -498,22 +500,22 @@ class FakeNetwork:
                 fate, payload = self._maybe_corrupt(data)
                 delay_s = self._one_way_s(sender, receiver)
                 if delay_s:
-                    self.nursery.start_soon(self._deliver_later, delay_s, fate, sender, receiver, topic, payload)
+                    self.nursery.start_soon(self._deliver_later, delay_s, fate, sender, receiver, topic, payload, cost)
                 else:  # at once, in order: tasks woken together run in an order trio shuffles
-                    self._deliver(fate, sender, receiver, topic, payload)
+                    self._deliver(fate, sender, receiver, topic, payload, cost)
 
     async def _deliver_later(
-        self, delay_s: float, fate: str, sender: str, receiver: str, topic: str, data: bytes
+        self, delay_s: float, fate: str, sender: str, receiver: str, topic: str, data: bytes, cost: tuple[str, int]
     ) -> None:
         await trio.sleep(delay_s)
-        self._deliver(fate, sender, receiver, topic, data)
+        self._deliver(fate, sender, receiver, topic, data, cost)
 
-    def _deliver(self, fate: str, sender: str, receiver: str, topic: str, data: bytes) -> None:
-        if receiver not in self.hosts or not self.reachable(sender, receiver):  # cut while it travelled
+    def _deliver(self, fate: str, sender: str, receiver: str, topic: str, data: bytes, cost: tuple[str, int]) -> None:
+        """One delivery; ``cost``: the traffic (label, bytes) it costs the receiver each way."""
+        if not self.reachable(sender, receiver):  # cut (or the receiver gone) while it travelled
             self._record("gossip", "cut", sender, receiver, data)
             return
-        label = self.gossip_label(data) if self.gossip_label is not None else "gossip"
-        nbytes = GOSSIP_COPIES * (GOSSIP_FRAME_NBYTES + len(data))
+        label, nbytes = cost
         self._count(receiver, label, nbytes, nbytes)
         for channel in list(self.hosts[receiver]._subscriptions.get(topic, [])):
             try:

@@ -77,9 +77,10 @@ class PeerTable:
     def gone(self, peer_id: str) -> None:
         """The peer said goodbye: stop counting it as live right away."""
         info = self._peers.get(peer_id)
-        if info is not None:
-            info.ttl_s = 0.0  # its next heartbeat says again how long
-        if info is not None and info.last_seen > -math.inf:
+        if info is None:
+            return
+        info.ttl_s = 0.0  # its next heartbeat says again how long
+        if info.last_seen > -math.inf:
             info.last_seen = -math.inf
             self._notify()
 

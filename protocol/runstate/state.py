@@ -317,17 +317,22 @@ def parse_lease(key: str, raw: Any, run_id: str) -> LeaseRecord:
     return record
 
 
+def _root_names(doc: Doc[Any]) -> list[str]:
+    """The document's roots, sorted; ``BadMessage`` if one is not ours."""
+    names = sorted(doc.keys())
+    extra = [n for n in names if n not in ROOTS]
+    _need(not extra, f"unknown top-level entries {extra[:5]}")
+    return names
+
+
 def _root_maps(doc: Doc[Any]) -> dict[str, Any]:
     """Each known root's content; ``BadMessage`` for an unknown root or one of another type.
 
     A root written as an Array or Text where we expect a Map would otherwise hide content
     from the checks below (and grow the document past every count we make).
     """
-    names = sorted(doc.keys())
-    extra = [n for n in names if n not in ROOTS]
-    _need(not extra, f"unknown top-level entries {extra[:5]}")
     content: dict[str, Any] = {}
-    for name in names:
+    for name in _root_names(doc):
         value = doc.get(name, type=Map).to_py()
         _need(isinstance(value, dict), f"document root {name!r} is not a map")
         content[name] = value
@@ -368,9 +373,7 @@ def _observe_keys(doc: Doc[Any]) -> tuple[dict[str, set[str]], Callable[[], None
 def _read_changed(doc: Doc[Any], run_id: str, base: Content, touched: dict[str, set[str]]) -> Content:
     """``base`` (the content ``doc`` held) with the entries of ``touched`` read again from
     ``doc``: ``_read``'s checks on what changed, not on every record."""
-    names = sorted(doc.keys())
-    extra = [n for n in names if n not in ROOTS]
-    _need(not extra, f"unknown top-level entries {extra[:5]}")
+    _root_names(doc)
     manifest = base.manifest
     if touched.get("manifest"):
         raw_manifest = doc.get("manifest", type=Map).to_py() or {}
@@ -650,8 +653,7 @@ class RunState:
         """Our document with ``update`` applied, on a copy; and, when ``watched``, the keys
         of each root it changed (None: read the whole copy)."""
         if watched:
-            scratch: Doc[Any] = Doc(client_id=client_id)
-            scratch.apply_update(self._good)
+            scratch = self._copy(client_id)
             touched, stop = _observe_keys(scratch)
             try:
                 _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
@@ -660,12 +662,17 @@ class RunState:
                 pass  # blamed only if the unwatched apply fails too
             finally:
                 stop()
-        # The scratch copy takes our client id: once it passes, it *becomes* our document, so
-        # the update is decoded once and a native panic can only ever hit the scratch copy.
-        scratch = Doc(client_id=client_id)
-        scratch.apply_update(self._good)
+        scratch = self._copy(client_id)
         _crdt("undecodable CRDT update", lambda: scratch.apply_update(update))
         return scratch, None
+
+    def _copy(self, client_id: int) -> Doc[Any]:
+        """Our document, on a scratch copy. It takes our client id: once it passes, it
+        *becomes* our document, so an update is decoded once and a native panic can only
+        ever hit the copy."""
+        scratch: Doc[Any] = Doc(client_id=client_id)
+        scratch.apply_update(self._good)
+        return scratch
 
     def _own_state(self) -> dict[int, int]:
         """Our state vector, client → clock (read once per change of the document)."""
@@ -749,30 +756,26 @@ class RunState:
 
     def _compute_digest(self, touched: dict[str, set[str]] | None = None) -> str:
         """A hash of the manifest and of the sum (mod 2^256) of each entry's hash: equal
-        content, equal digest; a change hashes its own entries (``touched``), not all."""
+        content, equal digest; a change hashes its own entries (``touched``), all without."""
         if touched is None:
-            self._entry_hashes = {("members", k): _entry_hash("members", k, v) for k, v in self._in_doc.items()}
-            self._entry_hashes.update(
-                {("leases", str(e)): _entry_hash("leases", str(e), v) for e, v in self._leases_in_doc.items()}
-            )
-            self._entry_sum = sum(self._entry_hashes.values()) % DIGEST_MODULUS
-        else:
-            for root in ("members", "leases"):
-                for key in touched.get(root, ()):
-                    self._entry_sum -= self._entry_hashes.pop((root, key), 0)
-                    value: MemberRecord | LeaseRecord | None = (
-                        self._in_doc.get(key)
-                        if root == "members"
-                        else self._leases_in_doc.get(int(key))
-                        if key.isdigit()
-                        else None
-                    )
-                    if value is not None:
-                        entry = self._entry_hashes[(root, key)] = _entry_hash(root, key, value)
-                        self._entry_sum += entry
-            self._entry_sum %= DIGEST_MODULUS
+            self._entry_hashes, self._entry_sum = {}, 0
+            touched = {"members": set(self._in_doc), "leases": {str(e) for e in self._leases_in_doc}}
+        for root in ("members", "leases"):
+            for key in touched.get(root, ()):
+                self._entry_sum -= self._entry_hashes.pop((root, key), 0)
+                value = self._entry(root, key)
+                if value is not None:
+                    entry = self._entry_hashes[(root, key)] = _entry_hash(root, key, value)
+                    self._entry_sum += entry
+        self._entry_sum %= DIGEST_MODULUS
         manifest = json.dumps(_jsonable(asdict(self._manifest)) if self._manifest else None, sort_keys=True)
         return hashlib.sha256(manifest.encode() + self._entry_sum.to_bytes(32, "big")).hexdigest()[:16]
+
+    def _entry(self, root: str, key: str) -> "MemberRecord | LeaseRecord | None":
+        """The document's entry under ``key`` of ``root`` ("members" or "leases"), if any."""
+        if root == "members":
+            return self._in_doc.get(key)
+        return self._leases_in_doc.get(int(key)) if key.isdigit() else None
 
 
 def _entry_hash(root: str, key: str, value: "MemberRecord | LeaseRecord") -> int:
