@@ -526,6 +526,8 @@ class Pairing:
                     pause = max(pause, 0.0)
                     with trio.move_on_after(pause):
                         await changed.wait()  # or someone paired with us meanwhile
+            if not order:
+                return  # the sweep heard "never" from everyone left: on to a pull, no pause
             changed = self._changed
             with trio.move_on_after(random.uniform(*RETRY_PAUSE_S)):
                 await changed.wait()  # someone paired with us, or a pause before the next sweep
