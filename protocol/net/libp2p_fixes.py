@@ -120,9 +120,25 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    yet earns a point (its body would land in the stream we open meanwhile). Tests:
    tests/test_yamux_reader.py (a sender past its window; many streams; the pool; no
    stream).
+12. Pubsub's per-message CPU (global). 0.8.1 attaches its signed peer record to every
+   RPC it sends (``env_to_send_in_RPC``: the host's addresses listed and compared each
+   time) and parses and verifies the sender's (ed25519) on every RPC it reads, twice for
+   one with control messages (``maybe_consume_signed_record``, in pubsub and again in
+   GossipSub's ``handle_rpc``); and it sends IDONTWANT to every mesh peer for every
+   message it receives, whatever its size. Sampled in an idle daemon of a 24-node
+   simulation, these were ~40% of its CPU, and idle CPU is what kept 64 daemons on 2 cores
+   from converging. Now a peer's record is verified once per ``RECORD_RECHECK_S`` while
+   it sends the same bytes (``MAX_RECORDS_KEPT`` pairs remembered; a different or invalid
+   record is checked as before), our own record is taken from its cache for
+   ``LOCAL_RECORD_REUSE_S``, and IDONTWANT goes out only for messages over
+   ``IDONTWANT_MIN_NBYTES``, as go-libp2p's threshold does (it saves a copy of a large
+   message; for a small one it costs more than the copy). Tests:
+   tests/test_libp2p_fixes.py.
 """
 
 import contextlib
+import contextvars
+import hashlib
 import logging
 import struct
 import time
@@ -134,6 +150,10 @@ import libp2p.kad_dht.kad_dht as _kad_dht
 import libp2p.kad_dht.peer_routing as _kad_peer_routing
 import libp2p.kad_dht.provider_store as _kad_provider_store
 import libp2p.kad_dht.value_store as _kad_value_store
+import libp2p.pubsub.floodsub as _floodsub
+import libp2p.pubsub.gossipsub as _gossipsub
+import libp2p.pubsub.pubsub as _pubsub
+import libp2p.pubsub.utils as _pubsub_utils
 import libp2p.utils.varint as _varint
 import trio
 from libp2p.abc import IHost
@@ -146,6 +166,8 @@ from libp2p.network.stream.net_stream import INetStream
 from libp2p.peer.id import ID
 from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2 import transport as _relay_transport
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as _RELAY_HOP_ID
@@ -582,6 +604,70 @@ async def _punish_on_the_connections_host(self: Yamux, reason: str) -> None:
             await guard.punish(self.peer_id.to_base58(), reason)
 
 
+# Fix 12: a peer's signed record, once verified, is taken as verified again for this long
+# while it sends the same bytes (libp2p keeps a record 2 h: re-consumed well before).
+RECORD_RECHECK_S = 600.0
+# (peer, record) pairs remembered; past this the oldest go (a peer with many records costs
+# a check each, as before).
+MAX_RECORDS_KEPT = 4096
+# How long our own record is reused before the host's addresses are compared again.
+LOCAL_RECORD_REUSE_S = 5.0
+# go-libp2p's IDontWantMessageThreshold: IDONTWANT only for messages larger than this.
+IDONTWANT_MIN_NBYTES = 1024
+
+_records_checked: dict[tuple[bytes, bytes], float] = {}
+"""(peer id, blake2b of its record) → when it was last consumed (time.monotonic)."""
+_local_records: "weakref.WeakKeyDictionary[IHost, tuple[float, bytes]]" = weakref.WeakKeyDictionary()
+_small_message: contextvars.ContextVar[bool] = contextvars.ContextVar("_small_message", default=False)
+_consume_signed_record = _pubsub_utils.maybe_consume_signed_record
+_env_to_send = _gossipsub.env_to_send_in_RPC
+_gossipsub_publish = GossipSub.publish
+_emit_idontwant = GossipSub._emit_idontwant_for_message
+
+
+def _consume_signed_record_once(msg: rpc_pb2.RPC, host: IHost, peer_id: ID) -> bool:
+    """0.8.1's ``maybe_consume_signed_record``, skipped for a record this peer sent and we
+    consumed within ``RECORD_RECHECK_S`` (fix 12)."""
+    if not msg.HasField("senderRecord"):
+        return True
+    key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
+    now = time.monotonic()
+    checked = _records_checked.get(key)
+    if checked is not None and now - checked < RECORD_RECHECK_S:
+        return True
+    if not _consume_signed_record(msg, host, peer_id):
+        return False
+    if len(_records_checked) >= MAX_RECORDS_KEPT:
+        for old in sorted(_records_checked, key=_records_checked.__getitem__)[: MAX_RECORDS_KEPT // 4]:
+            del _records_checked[old]
+    _records_checked[key] = now
+    return True
+
+
+def _local_record(host: IHost) -> tuple[bytes, bool]:
+    """0.8.1's ``env_to_send_in_RPC``, its answer reused for ``LOCAL_RECORD_REUSE_S`` (fix 12)."""
+    now = time.monotonic()
+    kept = _local_records.get(host)
+    if kept is not None and now - kept[0] < LOCAL_RECORD_REUSE_S:
+        return kept[1], False
+    envelope, created = _env_to_send(host)
+    _local_records[host] = (now, envelope)
+    return envelope, created
+
+
+async def _publish_noting_size(self: GossipSub, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
+    token = _small_message.set(len(pubsub_msg.data) <= IDONTWANT_MIN_NBYTES)
+    try:
+        await _gossipsub_publish(self, msg_forwarder, pubsub_msg)
+    finally:
+        _small_message.reset(token)
+
+
+async def _idontwant_for_large(self: GossipSub, msg_id: bytes, topic_ids: Any) -> None:
+    if not _small_message.get():
+        await _emit_idontwant(self, msg_id, topic_ids)
+
+
 _use_our_kad_id()
 MultiselectCommunicator.read = _multiselect_read
 Yamux.open_stream = _yamux_open_stream
@@ -593,6 +679,12 @@ _relay_transport.CircuitV2Transport._refresh_reservations_worker = _relay_refres
 YamuxStream._auto_tune_and_send_window_update = _credit_in_halves
 _yamux.read_exactly = _yamux_read_header
 Yamux._read_data_body = _yamux_read_data_body
+for _module in (_pubsub, _gossipsub, _floodsub):
+    _module.maybe_consume_signed_record = _consume_signed_record_once
+for _module in (_gossipsub, _floodsub):
+    _module.env_to_send_in_RPC = _local_record
+GossipSub.publish = _publish_noting_size
+GossipSub._emit_idontwant_for_message = _idontwant_for_large
 
 
 def _peer_of(net_stream: INetStream) -> str:
