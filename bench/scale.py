@@ -20,26 +20,42 @@ The network (seeded, one ``random.Random``):
 - traffic: protocol/net/memnet.py's model (libp2p framing; each gossip message costs its
   GossipSub mesh's D = 6 copies in and out at every node).
 
+With ``--algorithm noloco`` every node also trains, as far as the network sees it: the
+daemon's own ``Pairing`` (the schedule, asks, pulls, its lead and lag) and a
+``TensorReceiver`` for payloads, driven by a stand-in worker that computes nothing. Each
+node draws a speed (a round of ``--round-s`` × 0.8–1.2); at each boundary it pairs for its
+round (``pair_timeout_s`` as the daemon's default), turns its peers' lead into a shorter
+next round or skipped rounds as node/algorithms/noloco/__init__.py does (lag.py's rules),
+and reaches its next boundary when ``next_boundary`` says (the run's ``outer.overlap`` of
+the steps go on while it pairs). Payloads are ``--payload-nbytes`` of zeros over the
+exchange protocol (their bytes are counted apart from control bytes). A newcomer starts at
+the round two of its bootstrap nodes vouch for (joining.py ``vouched_round``), as if its
+state fetch took no time. Candidates are a node's live trainer members, as the daemon's.
+
 What it does not model: libp2p's Kademlia and GossipSub themselves (gossip reaches every
 subscriber; its cost is the mesh model above; the real stack is measured by bench/soak.py
 and ``simulate``), relays' capacity and hole punching, connection limits, Noise and yamux's
-CPU, upload caps (control messages are small), and training: no worker and no payloads
-(NoLoCo pairing, the ZO log and SPES leases run on the same hosts in later steps).
+CPU, upload caps, the worker's compute and the outer step (a boundary comes on the clock),
+state fetches of joiners, the ZO log and SPES leases.
 
 Per N it prints one JSON object:
     nodes, virtual_s, wall_s, cpu_s (this process), events (deliveries);
     control_bps: per node, bytes per second in and out (median, p99; nodes up for a
-      whole sample window), and per label (heartbeat, update, bye, state sync, ...): the
-      mean per node;
+      whole sample window; payloads left out), and per label (heartbeat, update, bye,
+      state sync, pairing, payloads, ...): the mean per node;
     doc_nbytes: the run document's encoding at sampled nodes, per sample window (median);
     view: the share of the live nodes a node sees as live (median over sampled nodes);
     members_in_doc: records in the document (median over sampled nodes);
     seen_99_s: per newcomer after the warm-up, the seconds until 99% of the live nodes
       hold its member record (median, max; "never" counted apart);
-    joins, leaves, crashes.
+    joins, leaves, crashes;
+    training (``--algorithm noloco``): rounds after the warm-up, over all nodes, and their
+      shares paired, pulled (both: with a partner) and alone; rounds skipped and shortened;
+      the per-node share with a partner (median, p1; nodes with 5 such rounds or more).
 
     python bench/scale.py --nodes 16 64 256 [--minutes 30] [--nat 0.25] [--churn 0.25]
                           [--seed 1] [--sample-s 60] [--warmup-s 120]
+                          [--algorithm noloco] [--round-s 30] [--payload-nbytes 4096]
 """
 
 import argparse
@@ -56,12 +72,18 @@ from typing import Any
 import trio
 import trio.testing
 
-from node.config import StateConfig
-from protocol.net import gossip
+from node.algorithms.joining import vouched_round
+from node.algorithms.noloco.lag import catch_up_steps, rounds_to_skip, skip_horizon
+from node.algorithms.noloco.pairing import Pairing, next_boundary
+from node.algorithms.rounds import SEND_TIMEOUT_S
+from node.config import StateConfig, TrainingConfig
+from protocol.net import exchange, gossip
+from protocol.net.exchange import TensorReceiver
 from protocol.net.hostlike import PeerAddrs
 from protocol.net.memnet import FakeHost, FakeNetwork, Faults
 from protocol.runstate.run import RunService
 from protocol.runstate.state import Manifest, MemberRecord, RunState, sign_member
+from training.settings import InnerConfig, OuterConfig
 
 RUN = "scale-abc123"
 NUM_BOOTSTRAP = 3
@@ -70,6 +92,15 @@ ONE_WAY_S = (0.005, 0.1)
 SEEN_SHARE = 0.99
 # Joiners whose spread is still watched at once (each look costs O(N)).
 MAX_WATCHED = 64
+ALGORITHMS = ("none", "noloco")
+# A node's speed: its round takes the scenario's round time times a uniform draw from this.
+SPEED_SPREAD = (0.8, 1.2)
+# Bootstrap nodes a newcomer asks which round to start at (vouched_round needs two).
+JOIN_ASKS = 3
+# A node's share of rounds with a partner is reported for nodes with at least this many rounds.
+MIN_ROUNDS_PER_NODE = 5
+# Labels whose bytes are training payloads, not control traffic.
+PAYLOAD_LABELS = frozenset({exchange.PROTOCOL_ID})
 
 
 def gossip_kind(data: bytes) -> str:
@@ -101,6 +132,32 @@ class Scenario:
     sample_s: float = 60.0
     warmup_s: float = 120.0
     """Newcomers before this are not watched; windows before it are left out of ``summary``."""
+    algorithm: str = "none"
+    """``none``: run state only; ``noloco``: nodes also pair for rounds (the module docstring)."""
+    round_s: float = 30.0
+    """A round's computing time at speed 1 (``noloco``)."""
+    payload_nbytes: int = 4096
+    """A NoLoCo payload's size (``noloco``): small, since payload bytes are not what is measured."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: one of {ALGORITHMS}, got {self.algorithm!r}")
+
+
+@dataclass(slots=True)
+class Trainer:
+    """A node's stand-in worker and its pairing: rounds on the clock, no compute."""
+
+    pairing: Pairing
+    step_s: float
+    """Seconds per inner step on this node."""
+    round_index: int
+    """The round whose boundary it computes towards."""
+    outbox: memoryview
+    inbox: memoryview
+    overlap: float
+    """The share of a round's steps the worker takes while the node pairs."""
+    skipped: int = 0
 
 
 @dataclass(slots=True)
@@ -109,6 +166,7 @@ class Node:
     service: RunService
     scope: trio.CancelScope
     since: float
+    trainer: Trainer | None = None
 
 
 @dataclass(slots=True)
@@ -127,6 +185,8 @@ class Report:
     joins: int = 0
     leaves: int = 0
     crashes: int = 0
+    rounds: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per node (its id), after the warm-up: rounds, paired, pulled, alone, skipped, shortened."""
 
 
 class Swarm:
@@ -167,8 +227,9 @@ class Swarm:
             anti_entropy_interval_s=self.config.anti_entropy_interval_s,
             dial_timeout_s=DIAL_TIMEOUT_S,
         )
-        scope = await nursery.start(self._live, service)
-        node = Node(host, service, scope, trio.current_time())
+        trainer = self._trainer(host, state) if self.args.algorithm == "noloco" else None
+        node = Node(host, service, trio.CancelScope(), trio.current_time(), trainer)
+        node.scope = await nursery.start(self._live, node)
         self.nodes[host.peer_id] = node
         for peer_id in self.bootstrap:  # as the daemon's --bootstrap
             if peer_id in self.net.hosts:
@@ -180,11 +241,86 @@ class Swarm:
         await service.push(state.put_member(sign_member(record, seed, RUN)))
         return node
 
-    @staticmethod
-    async def _live(service: RunService, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    def _trainer(self, host: FakeHost, state: RunState) -> Trainer:
+        def is_member(peer_id: str) -> bool:
+            record = state.members.get(peer_id)
+            return record is not None and record.role == "trainer"
+
+        inner, outer = InnerConfig(), OuterConfig()
+        overlap = outer.overlap_steps(inner.steps_per_round) / inner.steps_per_round
+        pairing = Pairing(
+            host,
+            send_timeout_s=SEND_TIMEOUT_S,
+            is_member=is_member,
+            schedule_seed=RUN,
+            prefer_share=outer.overlap,
+            overlap=overlap,
+        )
+        TensorReceiver(
+            host,
+            pairing.accept_payload,
+            authorize=pairing.authorize,
+            max_payload_nbytes=self.args.payload_nbytes,
+            timeout_s=SEND_TIMEOUT_S,
+        ).register()
+        live = [n.trainer.round_index for n in self.nodes.values() if n.trainer is not None]
+        asked = self.random.sample(live, min(JOIN_ASKS, len(live)))
+        start = vouched_round(asked) or 0
+        step_s = self.args.round_s * self.random.uniform(*SPEED_SPREAD) / inner.steps_per_round
+        zeros = memoryview(bytearray(self.args.payload_nbytes))
+        return Trainer(pairing, step_s, start, zeros, memoryview(bytearray(self.args.payload_nbytes)), overlap)
+
+    async def _live(self, node: Node, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
-            await service.run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(node.service.run)
+                if node.trainer is not None:
+                    await nursery.start(node.trainer.pairing.run)
+                    nursery.start_soon(self._train, node, node.trainer)
+
+    def _partners(self, node: Node) -> list[str]:
+        """The daemon's candidates (node/training.py ``_partners``): live trainer members."""
+        members, peers = node.service.state.members, node.host.peers
+        return sorted(
+            p
+            for p, info in peers.live().items()
+            if info.role == "trainer"
+            and (record := members.get(p)) is not None
+            and record.role == "trainer"
+            and not peers.is_banned(p)
+        )
+
+    async def _train(self, node: Node, trainer: Trainer) -> None:
+        """The stand-in worker and the daemon's NoLoCo round (node/algorithms/noloco/__init__.py
+        ``exchange``) without the outer step: pair at each boundary, then shorten or skip
+        by the peers' lead, and reach the next boundary when ``next_boundary`` says."""
+        pairing, steps_per_round = trainer.pairing, InnerConfig().steps_per_round
+        timeout_s = TrainingConfig().pair_timeout_s
+        await trio.sleep(trainer.step_s * steps_per_round)
+        while True:
+            boundary_at = trio.current_time()
+            await pairing.close_pulls()  # the worker's next payload overwrites the outbox
+            partner = await pairing.find_partner(
+                trainer.round_index, trainer.outbox, trainer.inbox, self._partners(node), timeout_s=timeout_s
+            )
+            paired_at = trio.current_time()
+            lead, lag = pairing.lead, pairing.vouched_lag
+            skip = rounds_to_skip(lag, skipped=trainer.skipped, rounds=skip_horizon(0, trainer.round_index, lag))
+            steps = catch_up_steps(steps_per_round, lead - skip)
+            if steps < steps_per_round or skip:
+                pairing.caught_up(steps / steps_per_round)
+            trainer.skipped += skip
+            if boundary_at >= self.args.warmup_s:
+                counts = self.report.rounds.setdefault(node.host.peer_id, dict.fromkeys(ROUND_FIELDS, 0))
+                counts["rounds"] += 1
+                outcome = "alone" if partner is None else "pulled" if pairing.last_pulled else "paired"
+                counts[outcome] += 1
+                counts["skipped"] += skip
+                counts["shortened"] += int(steps < steps_per_round)
+            trainer.round_index += 1 + skip
+            compute_s = steps * trainer.step_s
+            await trio.sleep_until(next_boundary(boundary_at, paired_at, compute_s, trainer.overlap))
 
     async def leave(self, node: Node, *, graceful: bool) -> None:
         if graceful:
@@ -247,7 +383,8 @@ class Swarm:
                 got, sent = 0, 0
                 for label, (b_in, b_out) in now.get(peer_id, {}).items():
                     a_in, a_out = last.get(peer_id, {}).get(label, (0, 0))
-                    got, sent = got + b_in - a_in, sent + b_out - a_out
+                    if label not in PAYLOAD_LABELS:
+                        got, sent = got + b_in - a_in, sent + b_out - a_out
                     by_label[label] = by_label.get(label, 0.0) + (b_in - a_in + b_out - a_out) / window_s
                 rates_in.append(got / window_s)
                 rates_out.append(sent / window_s)
@@ -274,6 +411,29 @@ class Swarm:
         for (peer_id, label), (b_in, b_out) in self.net.traffic.items():
             out.setdefault(peer_id, {})[label] = (b_in, b_out)
         return out
+
+
+ROUND_FIELDS = ("rounds", "paired", "pulled", "alone", "skipped", "shortened")
+
+
+def training_summary(rounds: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """``Report.rounds`` over all nodes: totals, shares of rounds, and the per-node share
+    with a partner (median, p1) among nodes with ``MIN_ROUNDS_PER_NODE`` rounds or more."""
+    totals = {k: sum(c[k] for c in rounds.values()) for k in ROUND_FIELDS}
+    n = max(1, totals["rounds"])
+    kept = [c for c in rounds.values() if c["rounds"] >= MIN_ROUNDS_PER_NODE]
+    per_node = [(c["paired"] + c["pulled"]) / c["rounds"] for c in kept]
+    return {
+        **totals,
+        "with_partner_share": round((totals["paired"] + totals["pulled"]) / n, 4),
+        "pulled_share": round(totals["pulled"] / n, 4),
+        "alone_share": round(totals["alone"] / n, 4),
+        "per_node_with_partner": {
+            "median": round(_median(per_node), 4),
+            "p1": round(percentile(per_node, 0.01), 4),
+            "nodes": len(per_node),
+        },
+    }
 
 
 def _median(values: list[float]) -> float:
@@ -307,6 +467,7 @@ async def run(args: Scenario) -> dict[str, Any]:
         "leaves": report.leaves,
         "crashes": report.crashes,
         "events": dict(sorted(swarm.net.fates.items())),
+        **({"training": training_summary(report.rounds)} if args.algorithm != "none" else {}),
     }
 
 
@@ -341,10 +502,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sample-s", type=float, default=60.0)
     parser.add_argument("--warmup-s", type=float, default=120.0)
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="noloco: nodes pair for rounds too")
+    parser.add_argument("--round-s", type=float, default=30.0, help="a round's computing time at speed 1")
+    parser.add_argument("--payload-nbytes", type=int, default=4096)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     for num_nodes in args.nodes:
-        scenario = Scenario(num_nodes, args.minutes, args.nat, args.churn, args.seed, args.sample_s, args.warmup_s)
+        scenario = Scenario(
+            num_nodes,
+            args.minutes,
+            args.nat,
+            args.churn,
+            args.seed,
+            args.sample_s,
+            args.warmup_s,
+            args.algorithm,
+            args.round_s,
+            args.payload_nbytes,
+        )
         print(json.dumps(simulate(scenario)), flush=True)
     return 0
 

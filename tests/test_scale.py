@@ -39,3 +39,30 @@ def test_each_node_hears_a_bounded_number_of_heartbeats_however_large_the_run() 
     assert (nodes - 1) / 5.0 > HEARTBEATS_PER_S  # what the configured interval alone would give
     assert heard_per_s <= HEARTBEATS_PER_S * 1.01
     assert result["windows"][-1]["view"] == 1.0  # and nobody expired: each stays live 3 of its intervals
+
+
+def test_nodes_pair_for_every_round_when_all_stay() -> None:
+    """The daemon's own pairing, driven by stand-in workers of speeds 0.8-1.2: a node goes
+    alone only when no peer holds its round (2 rounds behind: shorter rounds keep the
+    slower ones within one) or its partner vanished mid-round, and here nobody leaves."""
+    result = simulate(Scenario(8, minutes=5, churn=0.0, seed=5, warmup_s=60, algorithm="noloco", round_s=10))
+    training = result["training"]
+    # 4 virtual minutes after the warm-up, rounds of 10 s × 0.8-1.2 (+ pairing): ~20 a node.
+    assert training["rounds"] >= 8 * 240 / (10 * 1.2 + 2)
+    assert training["alone"] == 0 and training["skipped"] == 0
+    assert training["paired"] + training["pulled"] == training["rounds"]
+    # Payloads are training traffic, apart from the control bytes.
+    labels = result["summary"]["bps_by_label"]
+    assert labels["/swarmtrain/exchange/1.0.0"] > 0 and labels["/swarmtrain/pair/1.0.0"] > 0
+
+
+def test_newcomers_start_at_the_runs_round_and_only_a_vanished_partner_leaves_one_alone() -> None:
+    """Churn: nodes leave (half without a word) and newcomers start at the round two of
+    the bootstrap nodes vouch for. A node is alone in a round only when its partner left
+    between pairing and sending (once per leave at most); nobody is behind enough to skip."""
+    result = simulate(Scenario(8, minutes=6, churn=12.0, seed=3, warmup_s=60, algorithm="noloco", round_s=10))
+    training = result["training"]
+    assert result["joins"] >= 2
+    assert training["alone"] <= result["leaves"] + result["crashes"]
+    assert training["skipped"] == 0
+    assert training["per_node_with_partner"]["nodes"] > 8  # newcomers trained 5 rounds or more too
