@@ -103,3 +103,11 @@ def test_a_daemon_says_what_its_process_uses() -> None:
     assert isinstance(usage["cpu_s"], float) and usage["cpu_s"] > 0
     # Two counts of one memory (/proc's pages now, getrusage's peak): both there, both > 0.
     assert usage["rss_mb"] is not None and usage["rss_mb"] > 0 and (usage["peak_rss_mb"] or 0) > 0
+
+
+def test_the_simulation_polls_at_most_so_many_statuses_a_second() -> None:
+    from node.simulate import MAX_POLLS_PER_S, POLL_INTERVAL_S, poll_interval_s
+
+    assert poll_interval_s(4) == POLL_INTERVAL_S  # small runs: every node twice a second
+    for nodes in (16, 33, 65):
+        assert nodes / poll_interval_s(nodes) <= MAX_POLLS_PER_S

@@ -37,6 +37,10 @@ MAX_NODES = 64
 DEFAULT_ROUNDS = 10
 """A simulation's budget of rounds unless told (a run started by ``node`` has none)."""
 POLL_INTERVAL_S = 0.5
+# The simulation asks each node for its status every POLL_INTERVAL_S, or less often so that
+# it asks at most this many a second in all: each answer costs a daemon CPU, and 64 daemons
+# asked twice a second took a share of the 2 cores they were converging on.
+MAX_POLLS_PER_S = 32.0
 CONVERGE_TIMEOUT_S = 120.0
 TRAIN_TIMEOUT_S = 3600.0
 STOP_GRACE_S = 10.0
@@ -241,6 +245,12 @@ async def _stop_all(nodes: list[Node]) -> None:
             await node.process.wait()
 
 
+def poll_interval_s(num_nodes: int) -> float:
+    """Seconds between two status polls of every node: ``POLL_INTERVAL_S``, longer past
+    ``MAX_POLLS_PER_S`` (convergence times are as fine as this)."""
+    return max(POLL_INTERVAL_S, num_nodes / MAX_POLLS_PER_S)
+
+
 async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
     nodes: list[Node] = []
     start = trio.current_time()
@@ -339,7 +349,7 @@ async def _run(options: SimulationOptions, base: Path) -> dict[str, Any]:
                 if converged_at is not None and trained and linked and now - converged_at >= options.linger_s:
                     stop_reason = "converged" if not options.settings.trains else "trained"
                     break
-                await trio.sleep(POLL_INTERVAL_S)
+                await trio.sleep(poll_interval_s(len(nodes)))
     finally:
         await _stop_all(nodes)
         if placement.bed is not None:
