@@ -276,9 +276,9 @@ class TrainingService:
         return {"val_rows": min(curve, split), "full_val_rows": min(validation.FULL_MAX_ROWS, split)}
 
     def _partners(self) -> list[str]:
-        return sorted(
-            p for p, info in self._peers.live().items() if info.role == "trainer" and self._is_trainer_member(p)
-        )
+        # The role its signed member record says: a peer is live from a state sync before its
+        # first heartbeat (which says its role too) has come.
+        return sorted(p for p in self._peers.live() if self._is_trainer_member(p))
 
     def _is_trainer_member(self, peer_id: str) -> bool:
         """A peer we train with: its member record (signed by it) says it trains in this run."""

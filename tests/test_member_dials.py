@@ -128,3 +128,51 @@ async def test_fresh_addresses_in_every_record_do_not_dodge_the_back_off(
         assert len(us.dialed) == MAX_DIALS_PER_MEMBER + 1
         assert us.dialed[-1] == ("/ip4/192.168.3.9/tcp/4001",)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_knows_only_its_bootstrap_peer_learns_the_run_from_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """It hears the run's heartbeats through its one connection, from members behind NATs
+    whose addresses it does not know: pulls go to its connection instead (each pull to
+    them timed out; in a 64-daemon simulation such a node failed 248 of 248 for minutes).
+    The bootstrap peer serves the run's state but has not heartbeated: it is not live.
+    The newcomer is behind a NAT too, so they cannot sync with it either."""
+    from protocol.runstate.sync import StateSync
+
+    net = FakeNetwork(7, Faults())
+    boot, newcomer = net.add_host(bytes([1]) * 32), net.add_host(bytes([2]) * 32)
+    natted = [net.add_host(bytes([3 + i]) * 32) for i in range(2)]
+    full = RunState(RUN)
+    full.create_manifest(Manifest(RUN, "boot", boot.peer_id, 1.7e9), boot.seed)
+    for host in natted:
+        host.behind_nat = True
+        full.put_member(member(host, PRIVATE, 1))
+    theirs = [RunState(RUN) for _ in natted]
+    for state in theirs:
+        state.apply_remote(full.encode())
+    ours = RunState(RUN)
+    newcomer.behind_nat = True  # nor can they reach it (a sync carries both sides' news)
+
+    def service(host: FakeHost, state: RunState) -> RunService:
+        return RunService(
+            host,
+            state,
+            host.peers,
+            role="trainer",
+            heartbeat_interval_s=1.0,
+            anti_entropy_interval_s=2.0,
+            dial_timeout_s=DIAL_TIMEOUT_S,
+        )
+
+    async with net.running(), trio.open_nursery() as nursery:
+        StateSync(boot, full).register()
+        for host, state in zip(natted, theirs, strict=True):
+            await host.connect(PeerAddrs(boot.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
+            await nursery.start(service(host, state).run)
+        await newcomer.connect(PeerAddrs(boot.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
+        await nursery.start(service(newcomer, ours).run)
+        with trio.fail_after(30):  # a few heartbeats (1 s) and anti-entropy rounds (2 s)
+            while not all(ours.has_member(h.peer_id) for h in natted):
+                await ours.changed.wait()
+        nursery.cancel_scope.cancel()

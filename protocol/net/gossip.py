@@ -26,6 +26,12 @@ from dataclasses import dataclass
 from protocol import wire
 from protocol.errors import BadMessage
 
+# GossipSub's mesh degree D (the spec's default): each message reaches a node from up to D
+# mesh peers and goes on to as many, so a node's gossip costs ~D copies in and out of every
+# message (protocol/net/memnet.py's traffic model counts that many). 8 before: a third more
+# copies, for a mesh whose messages are hints pulls repair anyway.
+MESH_DEGREE = 6
+
 VERSION = 1
 # Well under GossipSub's 1 MiB delivery ceiling; larger changes travel by pull.
 MAX_PUSH_NBYTES = 64 << 10

@@ -54,6 +54,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import BadMessage, DialError, NotSupported, ProtocolError, StreamError
+from protocol.net import gossip
 from protocol.net.addrs import announce_for, ensure_port_free, is_global_addr, on_local_ips, resolve_addr
 from protocol.net.addrs import check_listen_addr as check_listen_addr  # re-exported
 from protocol.net.conns import free_stream_slots, parse_peer_id, remote_ip, socket_stream_of, socket_under
@@ -707,7 +708,7 @@ async def open_host(
     listen_addrs: list[str],
     announce_addrs: list[str],
     mdns: bool = False,
-    gossip_degree: int = 8,
+    gossip_degree: int = gossip.MESH_DEGREE,
     relay: NatPolicy | None = None,
     preferred_peers: list[str] | None = None,
     relayed_tensors_mbps: float = 0.0,

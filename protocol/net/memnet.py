@@ -47,6 +47,7 @@ import trio
 
 from protocol import keys
 from protocol.errors import DialError, StreamError
+from protocol.net import gossip
 from protocol.net.guard import Guard
 from protocol.net.hostlike import HANDLER_DEADLINE_S, GossipMessage, PeerAddrs, StreamLikeHandler, serve_guarded
 from protocol.net.peers import PeerTable
@@ -57,11 +58,11 @@ GOSSIP_QUEUE_SIZE = 4096
 # The traffic model (see the module docstring): yamux's 12-byte header and Noise's 16-byte
 # tag on each write; a stream's yamux SYN and multistream-select's negotiation; a GossipSub
 # message's from, seqno, topic, signature and key (~180 bytes) in its RPC frame; GossipSub's
-# default mesh degree D.
+# mesh degree D (protocol/net/gossip.py).
 STREAM_FRAME_NBYTES = 28
 STREAM_OPEN_NBYTES = 64
 GOSSIP_FRAME_NBYTES = 180
-GOSSIP_COPIES = 6
+GOSSIP_COPIES = gossip.MESH_DEGREE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

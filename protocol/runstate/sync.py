@@ -18,6 +18,7 @@ before applying). Every read has a deadline, so a silent peer never holds us.
 """
 
 import logging
+from collections.abc import Callable
 
 from protocol import wire
 from protocol.errors import ProtocolError, UnsupportedVersion
@@ -45,11 +46,16 @@ async def _receive(stream: StreamLike, msg_types: frozenset[str]) -> dict[str, o
 
 
 class StateSync:
-    """Serves and initiates state exchanges for one run."""
+    """Serves and initiates state exchanges for one run. A peer we exchanged with counts as
+    live (``PeerTable.seen``) for ``live_for_s()`` seconds, or the table's TTL if None."""
 
-    def __init__(self, host: HostLike, state: RunState) -> None:
+    def __init__(self, host: HostLike, state: RunState, *, live_for_s: Callable[[], float] | None = None) -> None:
         self._host = host
         self._state = state
+        self._live_for_s = live_for_s
+
+    def _seen(self, peer_id: str) -> None:
+        self._host.peers.seen(peer_id, ttl_s=self._live_for_s() if self._live_for_s is not None else None)
 
     def register(self) -> None:
         self._host.set_handler(PROTOCOL_ID, self._serve, deadline_s=EXCHANGE_TIMEOUT_S)
@@ -74,7 +80,7 @@ class StateSync:
             their_sv = wire.get_bytes(reply, "sv", max_nbytes=MAX_STATE_VECTOR_NBYTES)
             changed = self._apply(peer_id, update)
             await wire.send(stream, "diff", VERSION, {"update": self._state.diff(their_sv), "sv": b""})
-        self._host.peers.seen(peer_id)
+        self._seen(peer_id)
         return changed
 
     async def _serve(self, stream: StreamLike) -> None:
@@ -95,7 +101,7 @@ class StateSync:
         await wire.send(stream, "diff", VERSION, {"update": diff, "sv": self._state.state_vector()})
         final = await _receive(stream, _FINAL)
         self._apply(peer_id, wire.get_bytes(final, "update", max_nbytes=MAX_DOC_NBYTES))
-        self._host.peers.seen(peer_id)
+        self._seen(peer_id)
 
     def _apply(self, peer_id: str, update: bytes) -> bool:
         changed = self._state.apply_remote(update)
