@@ -284,11 +284,8 @@ class Swarm:
         members, peers = node.service.state.members, node.host.peers
         return sorted(
             p
-            for p, info in peers.live().items()
-            if info.role == "trainer"
-            and (record := members.get(p)) is not None
-            and record.role == "trainer"
-            and not peers.is_banned(p)
+            for p in peers.live()
+            if (record := members.get(p)) is not None and record.role == "trainer" and not peers.is_banned(p)
         )
 
     async def _train(self, node: Node, trainer: Trainer) -> None:

@@ -13,6 +13,7 @@ import trio
 import trio.testing
 
 from protocol.errors import DialError
+from protocol.net import gossip
 from protocol.net.hostlike import PeerAddrs
 from protocol.net.memnet import FakeHost, FakeNetwork, Faults
 from protocol.runstate.dials import MAX_DIALS_PER_MEMBER
@@ -176,3 +177,93 @@ async def test_a_node_that_knows_only_its_bootstrap_peer_learns_the_run_from_it(
             while not all(ours.has_member(h.peer_id) for h in natted):
                 await ours.changed.wait()
         nursery.cancel_scope.cancel()
+
+
+def run_service(host: FakeHost, state: RunState, *, anti_entropy_interval_s: float = 2.0) -> RunService:
+    return RunService(
+        host,
+        state,
+        host.peers,
+        role="trainer",
+        heartbeat_interval_s=1.0,
+        anti_entropy_interval_s=anti_entropy_interval_s,
+        dial_timeout_s=DIAL_TIMEOUT_S,
+    )
+
+
+async def test_a_stranger_buys_no_long_liveness_with_a_document_of_made_up_members(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A synced peer is live for the TTL a heartbeat of our own interval would give, not one
+    scaled by the document's records (keys are free: a second reader's stranger synced once
+    with 1,000 made-up members and stayed live for 3,006 s)."""
+    from protocol.runstate.sync import StateSync
+
+    net = FakeNetwork(8, Faults())
+    us, stranger = net.add_host(bytes([1]) * 32), net.add_host(bytes([2]) * 32)
+    ours, theirs = RunState(RUN), RunState(RUN)
+    ours.create_manifest(Manifest(RUN, "ttl", us.peer_id, 1.7e9), us.seed)
+    theirs.apply_remote(ours.encode())
+    for i in range(200):  # made-up members, each signed by its own fresh key
+        theirs.put_member(member(net.add_host((1000 + i).to_bytes(4, "big") * 8), PRIVATE, 1))
+    service = run_service(us, ours)
+    async with net.running(), trio.open_nursery() as nursery:
+        StateSync(stranger, theirs).register()
+        await nursery.start(service.run)
+        await us.connect(PeerAddrs(stranger.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
+        await service.on_peer_connected(stranger.peer_id, "test")
+        with trio.fail_after(30):
+            while not us.peers.is_live(stranger.peer_id):
+                await us.peers.changed.wait()
+        assert len(ours.members) >= 200  # the records came (admitted: each is validly signed)
+        live_for_s = service.sync_live_for_s()
+        assert live_for_s < 200  # before: 3 × 200 members = 600 s
+        net.remove_host(stranger.peer_id)  # gone without a word (it never heartbeated)
+        await trio.sleep(live_for_s + 1.0)
+        assert not us.peers.is_live(stranger.peer_id)
+        nursery.cancel_scope.cancel()
+
+
+async def test_heartbeats_from_strangers_do_not_send_our_pulls_to_honest_peers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A node that knows the run pulls from a heartbeat's sender or from no one: a key
+    gossiping heartbeats with made-up digests cannot turn each into a state sync with an
+    honest connection of every node (a second reader's 20 a second: 11 syncs a second at
+    each of 16 nodes)."""
+    from protocol.runstate import sync as sync_module
+
+    net = FakeNetwork(9, Faults())
+    us, honest, junk = (net.add_host(bytes([i]) * 32) for i in (1, 2, 3))
+    junk.behind_nat = True
+    ours = RunState(RUN)
+    ours.create_manifest(Manifest(RUN, "junk", us.peer_id, 1.7e9), us.seed)
+    ours.put_member(member(honest, PRIVATE, 1))
+    ours.put_member(member(us, PRIVATE, 1))
+    theirs = RunState(RUN)
+    theirs.apply_remote(ours.encode())
+    served = []
+    serve = sync_module.StateSync._serve
+
+    async def counted(self: sync_module.StateSync, stream: object) -> None:
+        served.append(trio.current_time())
+        await serve(self, stream)  # type: ignore[arg-type]
+
+    sync_module.StateSync._serve = counted  # type: ignore[method-assign]
+    try:
+        async with net.running(), trio.open_nursery() as nursery:
+            # Anti-entropy (its own bound: one pull an interval) out of the way: what is
+            # left is the pull each heartbeat with another digest asks for.
+            for host, state in ((us, ours), (honest, theirs)):
+                await nursery.start(run_service(host, state, anti_entropy_interval_s=3600.0).run)
+            await us.connect(PeerAddrs(honest.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
+            await trio.sleep(10.0)
+            before = len(served)
+            for i in range(60):  # 60 s of heartbeats with made-up digests
+                beat = gossip.Heartbeat(digest=f"{i:016x}", role="trainer", every_s=0)
+                await junk.publish(gossip.topic(RUN), gossip.encode(beat))
+                await trio.sleep(1.0)
+            assert len(served) == before  # before: a sync with the honest peer per heartbeat
+            nursery.cancel_scope.cancel()
+    finally:
+        sync_module.StateSync._serve = serve  # type: ignore[method-assign]

@@ -209,11 +209,12 @@ class RunService:
         return self._every_s
 
     def sync_live_for_s(self) -> float:
-        """How long a peer we just synced with counts as live: the TTL a heartbeat would
-        give it in a run of the document's size (its members bound any honest peer's live
-        count, so its interval), at least the table's TTL."""
-        scaled = min(gossip.MAX_HEARTBEAT_EVERY_S, math.ceil(len(self.state.members) / HEARTBEATS_PER_S))
-        return max(self.peers.ttl_s, TTL_HEARTBEATS * max(self._heartbeat_interval_s, scaled))
+        """How long a peer we just synced with counts as live: the TTL a heartbeat
+        announcing our own interval would give it (our live member peers over
+        HEARTBEATS_PER_S), at least the table's TTL. Not the document's size: records stay
+        there long after their members left, and keys are free (a second reader's stranger
+        synced once with 1,000 made-up records and stayed live 3,006 s)."""
+        return max(self.peers.ttl_s, float(TTL_HEARTBEATS * self.heartbeat_every_s()))
 
     def _count_every_s(self) -> int:
         # Live members in the document only: strangers heartbeating make no node slower to
@@ -247,13 +248,16 @@ class RunService:
                 self.request_pull(self._reachable_or_connected(random.choice(sorted(live))))
 
     def _reachable_or_connected(self, peer_id: str) -> str:
-        """``peer_id`` if a pull can reach it (we hold a connection to it, or its member
-        record with addresses), else one of our connections at random: a node that heard a
-        run's gossip through its bootstrap peer and knows no one's address learns the run
-        from the peers it is connected to (it failed every pull to peers it had only heard
-        of, 248 of 248, for 4 minutes of a 64-daemon simulation)."""
+        """``peer_id``, or, while our document holds no member but us and we hold no
+        connection to it, one of our connections at random: a node that heard a run's
+        gossip through its bootstrap peer and knows no one's address learns the run from the
+        peers it is connected to (it failed every pull to peers it had only heard of, 248 of
+        248, for 4 minutes of a 64-daemon simulation). Only then: a heartbeat from any key
+        with any digest would otherwise make every node sync with an honest connection (a
+        second reader's 20 junk heartbeats a second: 11 syncs a second at each of 16 nodes)."""
         connected = self._host.connected_peers()
-        if peer_id in connected or self.state.has_member(peer_id) or not connected:
+        knows_the_run = any(p != self._host.peer_id for p in self.state.members)
+        if knows_the_run or peer_id in connected or not connected:
             return peer_id
         return random.choice(sorted(connected))
 
