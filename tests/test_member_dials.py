@@ -59,6 +59,18 @@ def member(host: FakeHost, addrs: tuple[str, ...], seq: int) -> MemberRecord:
     return sign_member(MemberRecord(host.peer_id, addrs, "trainer", "cpu", 1 << 30, 1.7e9, seq), host.seed, RUN)
 
 
+def run_service(host: FakeHost, state: RunState, *, anti_entropy_interval_s: float = 2.0) -> RunService:
+    return RunService(
+        host,
+        state,
+        host.peers,
+        role="trainer",
+        heartbeat_interval_s=1.0,
+        anti_entropy_interval_s=anti_entropy_interval_s,
+        dial_timeout_s=DIAL_TIMEOUT_S,
+    )
+
+
 def setup() -> tuple[FakeNetwork, NatDialer, FakeHost, RunState, RunService]:
     net = FakeNetwork(5, Faults())
     us = NatDialer(net, bytes([1]) * 32)
@@ -67,16 +79,7 @@ def setup() -> tuple[FakeNetwork, NatDialer, FakeHost, RunState, RunService]:
     state = RunState(RUN)
     state.create_manifest(Manifest(RUN, "dials", us.peer_id, 1.7e9), us.seed)
     state.put_member(member(them, PRIVATE, 1))
-    service = RunService(
-        us,
-        state,
-        us.peers,
-        role="trainer",
-        heartbeat_interval_s=1.0,
-        anti_entropy_interval_s=2.0,
-        dial_timeout_s=DIAL_TIMEOUT_S,
-    )
-    return net, us, them, state, service
+    return net, us, them, state, run_service(us, state)
 
 
 async def test_a_member_with_new_addresses_is_dialed_at_once_and_the_old_dial_cancelled(
@@ -155,40 +158,17 @@ async def test_a_node_that_knows_only_its_bootstrap_peer_learns_the_run_from_it(
     ours = RunState(RUN)
     newcomer.behind_nat = True  # nor can they reach it (a sync carries both sides' news)
 
-    def service(host: FakeHost, state: RunState) -> RunService:
-        return RunService(
-            host,
-            state,
-            host.peers,
-            role="trainer",
-            heartbeat_interval_s=1.0,
-            anti_entropy_interval_s=2.0,
-            dial_timeout_s=DIAL_TIMEOUT_S,
-        )
-
     async with net.running(), trio.open_nursery() as nursery:
         StateSync(boot, full).register()
         for host, state in zip(natted, theirs, strict=True):
             await host.connect(PeerAddrs(boot.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
-            await nursery.start(service(host, state).run)
+            await nursery.start(run_service(host, state).run)
         await newcomer.connect(PeerAddrs(boot.peer_id, ()), timeout_s=DIAL_TIMEOUT_S)
-        await nursery.start(service(newcomer, ours).run)
+        await nursery.start(run_service(newcomer, ours).run)
         with trio.fail_after(30):  # a few heartbeats (1 s) and anti-entropy rounds (2 s)
             while not all(ours.has_member(h.peer_id) for h in natted):
                 await ours.changed.wait()
         nursery.cancel_scope.cancel()
-
-
-def run_service(host: FakeHost, state: RunState, *, anti_entropy_interval_s: float = 2.0) -> RunService:
-    return RunService(
-        host,
-        state,
-        host.peers,
-        role="trainer",
-        heartbeat_interval_s=1.0,
-        anti_entropy_interval_s=anti_entropy_interval_s,
-        dial_timeout_s=DIAL_TIMEOUT_S,
-    )
 
 
 async def test_a_stranger_buys_no_long_liveness_with_a_document_of_made_up_members(
