@@ -10,7 +10,7 @@ Tasks, all in one nursery:
   live for ``TTL_HEARTBEATS`` of them (at least the TTL). An announced interval is
   believed up to twice what ours would be (``heartbeat_every_s``): a peer cannot claim an
   hour of liveness in a run of ten. A peer we met is live from the state sync that
-  follows, for as long as a heartbeat of the run's size would make it
+  follows, for as long as a heartbeat announcing our own interval would make it
   (``sync_live_for_s``), so nobody heartbeats early for a newcomer (that burst was N
   heartbeats heard by N nodes per join);
 - anti-entropy: every ``anti_entropy_interval_s`` pull from one random live peer (half the
