@@ -5,7 +5,7 @@ import pytest
 import trio
 import trio.testing
 
-from protocol.errors import StreamError
+from protocol.errors import ProtocolError, StreamError
 from protocol.net.conns import parse_peer_id, socket_stream_of
 from protocol.net.host import STUCK_OPEN_FAILURES, open_host, parse_dial_addr
 from protocol.net.hostlike import StreamLike
@@ -45,6 +45,38 @@ async def test_a_connection_whose_streams_stop_opening_is_closed_and_the_next_st
         assert await stream.read_exact(2) == b"ok"
         await stream.close()
         assert us.stuck_connections_closed == 1
+
+
+async def test_exchanges_whose_streams_do_not_open_close_the_stuck_connection_too() -> None:
+    """Our requests open their streams through ``exchange``, whose own bound is the open's:
+    the exchange's deadline cut the open first, the host never counted it, and the
+    connection stayed (in 64-daemon simulations, daemons whose every state sync over their
+    connections timed out, ~60 in 6 minutes, while gossip still came over them)."""
+    from protocol.net.hostlike import exchange
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    release = trio.Event()
+
+    async def unanswered(raw: object) -> None:
+        await release.wait()
+
+    async with (
+        open_host(identity_seed=b"\x01" * 32, listen_addrs=listen, announce_addrs=[]) as us,
+        open_host(identity_seed=b"\x02" * 32, listen_addrs=listen, announce_addrs=[]) as peer,
+    ):
+        await us.connect(parse_dial_addr(peer.addrs()[0]), timeout_s=5)
+        network = peer._host.get_network()
+        network.set_stream_handler(unanswered)
+        try:
+            for _ in range(STUCK_OPEN_FAILURES):
+                assert peer.peer_id in us.connected_peers()
+                with pytest.raises(ProtocolError, match="timed out"):
+                    async with exchange(us, peer.peer_id, PROTOCOL, what="a test", timeout_s=0.5):
+                        raise AssertionError("the stream cannot have opened")
+            assert us.stuck_connections_closed == 1 and peer.peer_id not in us.connected_peers()
+        finally:
+            release.set()
+            network.set_stream_handler(peer._host._swarm_stream_handler)
 
 
 async def test_a_closed_connection_left_listed_does_not_stop_the_next_stream_from_dialling() -> None:

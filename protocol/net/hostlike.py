@@ -299,12 +299,17 @@ async def exchange(
     reset otherwise, our own timeout included (a stream left behind holds one of yamux's
     256 slots per connection: a 16-node soak ran out of them and no pull between two
     daemons opened again). A ``ProtocolError`` from the body is judged (a malformed answer
-    costs the peer) and raised on; the timeout becomes a ``ProtocolError`` naming ``what``,
-    not judged (the slow one may be us).
+    costs the peer) and raised on; the timeout becomes a ``ProtocolError`` naming ``what``
+    (an open's own: the host's ``StreamError``), not judged (the slow one may be us).
     """
     open_stream = partial(open_stream_racing, host) if race_connection else host.open_stream
-    with trio.move_on_after(timeout_s) as scope:
-        stream = await open_stream(peer_id, protocol_id, timeout_s=open_timeout_s or timeout_s)
+    ends_at = trio.current_time() + timeout_s
+    # The open under its own bound only: cut by ours first, a stream that never opened went
+    # uncounted by the host, which closes a connection on which opens keep failing
+    # (Host.open_stream), and daemons in a 64-daemon simulation timed out every state sync
+    # over connections that still carried gossip. Its timeout raises StreamError.
+    stream = await open_stream(peer_id, protocol_id, timeout_s=min(open_timeout_s or timeout_s, timeout_s))
+    with trio.move_on_at(ends_at) as scope:
         try:
             yield stream
         except ProtocolError as exc:
