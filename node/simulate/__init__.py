@@ -38,8 +38,8 @@ DEFAULT_ROUNDS = 10
 """A simulation's budget of rounds unless told (a run started by ``node`` has none)."""
 POLL_INTERVAL_S = 0.5
 # The simulation asks each node for its status every POLL_INTERVAL_S, or less often so that
-# it asks at most this many a second in all: each answer costs a daemon CPU, and 64 daemons
-# asked twice a second took a share of the 2 cores they were converging on.
+# it asks at most this many a second in all: each answer costs a daemon CPU, taken from the
+# cores the daemons share.
 MAX_POLLS_PER_S = 32.0
 CONVERGE_TIMEOUT_S = 120.0
 TRAIN_TIMEOUT_S = 3600.0

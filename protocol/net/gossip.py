@@ -28,8 +28,8 @@ from protocol.errors import BadMessage
 
 # GossipSub's mesh degree D (the spec's default): each message reaches a node from up to D
 # mesh peers and goes on to as many, so a node's gossip costs ~D copies in and out of every
-# message (protocol/net/memnet.py's traffic model counts that many). 8 before: a third more
-# copies, for a mesh whose messages are hints pulls repair anyway.
+# message (protocol/net/memnet.py's traffic model counts that many); the messages are hints
+# that pulls repair, so no more copies than the spec's default.
 MESH_DEGREE = 6
 
 VERSION = 1

@@ -304,10 +304,9 @@ async def exchange(
     """
     open_stream = partial(open_stream_racing, host) if race_connection else host.open_stream
     ends_at = trio.current_time() + timeout_s
-    # The open under its own bound only: cut by ours first, a stream that never opened went
-    # uncounted by the host, which closes a connection on which opens keep failing
-    # (Host.open_stream), and daemons in a 64-daemon simulation timed out every state sync
-    # over connections that still carried gossip. Its timeout raises StreamError.
+    # The open under its own bound only: cut by ours first, a stream that never opened would
+    # go uncounted by the host, which closes a connection on which opens keep failing
+    # (Host.open_stream). Its timeout raises StreamError.
     stream = await open_stream(peer_id, protocol_id, timeout_s=min(open_timeout_s or timeout_s, timeout_s))
     with trio.move_on_at(ends_at) as scope:
         try:

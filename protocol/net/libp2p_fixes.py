@@ -125,9 +125,8 @@ Per-host fixes (``guard_host``, called by ``open_host`` right after the host is 
    time) and parses and verifies the sender's (ed25519) on every RPC it reads, twice for
    one with control messages (``maybe_consume_signed_record``, in pubsub and again in
    GossipSub's ``handle_rpc``); and it sends IDONTWANT to every mesh peer for every
-   message it receives, whatever its size. Sampled in an idle daemon of a 24-node
-   simulation, these were ~40% of its CPU, and idle CPU is what kept 64 daemons on 2 cores
-   from converging. Now a peer's record is verified once per ``RECORD_RECHECK_S`` while
+   message it receives, whatever its size: most of an idle daemon's CPU went there
+   (docs/scale.md). Now a peer's record is verified once per ``RECORD_RECHECK_S`` while
    it sends the same bytes (``MAX_RECORDS_KEPT`` pairs remembered; a different or invalid
    record is checked as before), our own record is taken from its cache for
    ``LOCAL_RECORD_REUSE_S``, and IDONTWANT goes out only for messages over

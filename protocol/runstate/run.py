@@ -59,9 +59,8 @@ UPKEEP_SPACING_S = 1.0
 MIN_PULL_SPACING_S = 1.0
 # Heartbeats a node hears per second, at most, in a run larger than its interval covers
 # (every member hears every heartbeat: each costs GossipSub's mesh degree in copies, ~1.4
-# KB in and as much out: docs/scale.md). One: at four, heartbeats were half an idle
-# daemon's CPU (32 daemons: 0.047 s/s against 0.028 at one) and 64 daemons on 2 cores
-# never converged. The price: a crash is noticed after TTL_HEARTBEATS intervals, 3·N s.
+# KB in and as much out) and CPU at every one of them: docs/scale.md. The price of so few:
+# a crash is noticed after TTL_HEARTBEATS intervals, 3·N s.
 HEARTBEATS_PER_S = 1.0
 # A peer whose heartbeats come rarer than the TTL covers stays live for this many of them.
 TTL_HEARTBEATS = 3
@@ -212,8 +211,8 @@ class RunService:
         """How long a peer we just synced with counts as live: the TTL a heartbeat
         announcing our own interval would give it (our live member peers over
         HEARTBEATS_PER_S), at least the table's TTL. Not the document's size: records stay
-        there long after their members left, and keys are free (a second reader's stranger
-        synced once with 1,000 made-up records and stayed live 3,006 s)."""
+        there long after their members left, and keys are free (a stranger's sync with a
+        thousand made-up records would buy it thousands of seconds)."""
         return max(self.peers.ttl_s, float(TTL_HEARTBEATS * self.heartbeat_every_s()))
 
     def _count_every_s(self) -> int:
@@ -251,13 +250,14 @@ class RunService:
         """``peer_id``, or, while our document holds no member but us and we hold no
         connection to it, one of our connections at random: a node that heard a run's
         gossip through its bootstrap peer and knows no one's address learns the run from the
-        peers it is connected to (it failed every pull to peers it had only heard of, 248 of
-        248, for 4 minutes of a 64-daemon simulation). Only then: a heartbeat from any key
-        with any digest would otherwise make every node sync with an honest connection (a
-        second reader's 20 junk heartbeats a second: 11 syncs a second at each of 16 nodes)."""
+        peers it is connected to, not by failing every pull to peers it has only heard of.
+        Only then: a heartbeat from any key with any digest would otherwise make every node
+        sync with an honest connection."""
+        ours = int(self.state.has_member(self._host.peer_id))
+        if self.state.num_members > ours:
+            return peer_id
         connected = self._host.connected_peers()
-        knows_the_run = any(p != self._host.peer_id for p in self.state.members)
-        if knows_the_run or peer_id in connected or not connected:
+        if peer_id in connected or not connected:
             return peer_id
         return random.choice(sorted(connected))
 

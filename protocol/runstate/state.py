@@ -474,6 +474,11 @@ class RunState:
     def members(self) -> dict[str, MemberRecord]:
         return dict(self._members)
 
+    @property
+    def num_members(self) -> int:
+        """How many records ``members`` holds (without its copy)."""
+        return len(self._members)
+
     def has_member(self, peer_id: str) -> bool:
         """Whether our view holds a record of ``peer_id`` (``members`` without its copy)."""
         return peer_id in self._members
